@@ -1,0 +1,177 @@
+"""Datasets: the built-in arithmetic task, GSM8K/MATH-style sets, prompt formatting.
+
+A problem is `Problem(prompt, answer, task, target)`: `prompt` is the raw question text (formatted for
+the model by `format_prompt`), `answer` the gold final answer as a string, `task` names the grader
+(`arithmetic` or `math`, see verifier.score), `target` a worked solution when one exists (the
+arithmetic task's; used to warm-start the tiny model).
+
+The training set is an endless, seeded stream indexed by an integer cursor (`TrainStream.get(i)`), so a
+resumed run continues the prompt order where it left off. The test split never overlaps training.
+
+Arithmetic: `a+b` with 1..4-digit operands. The target is a digit-by-digit worked solution, one line
+per column (right to left) with the carry, then `#answer`:
+
+    47+385=          ->   7+5=12
+                          4+8+1=13
+                          3+1=4
+                          #432
+
+so its length grows with the problem (8 characters for 3+4, ~40 for 4-digit operands with carries):
+the long tail that PipelineRL exploits (paper Sec. 3).
+"""
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+ANSWER_MARK = "#"
+_ARITH_ANSWER = re.compile(r"#(\d+)\s*$")
+_TEST_SEED = 12345  # the arithmetic test split is fixed, whatever run.seed is
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+    task: str
+    target: str = ""
+
+
+# --- arithmetic -------------------------------------------------------------------------------------
+
+def arithmetic_solution(a: int, b: int) -> str:
+    """Digit-by-digit addition with carries, ending in `#a+b`."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    lines, carry = [], 0
+    for i in range(max(len(da), len(db))):
+        terms = [d[i] for d in (da, db) if i < len(d)] + ([str(carry)] if carry else [])
+        s = sum(int(t) for t in terms)
+        lines.append("+".join(terms) + f"={s}")
+        carry = s // 10
+    return "\n".join(lines) + f"\n{ANSWER_MARK}{a + b}"
+
+
+def arithmetic_problem(a: int, b: int) -> Problem:
+    return Problem(prompt=f"{a}+{b}=\n", answer=str(a + b), task="arithmetic",
+                   target=arithmetic_solution(a, b))
+
+
+def arithmetic_final_answer(completion: str):
+    """The final answer as the arithmetic task formats it (`#123` on the last line), else None."""
+    m = _ARITH_ANSWER.search(completion.strip())
+    return m.group(1) if m else None
+
+
+def _draw_operands(rng, min_digits, max_digits):
+    def one():
+        d = int(rng.integers(min_digits, max_digits + 1))
+        return int(rng.integers(10 ** (d - 1) if d > 1 else 0, 10 ** d))
+    return one(), one()
+
+
+def arithmetic_test(size, min_digits=1, max_digits=4) -> list:
+    """`size` distinct problems from a fixed seed."""
+    rng = np.random.default_rng(_TEST_SEED)
+    seen, out = set(), []
+    while len(out) < size:
+        ab = _draw_operands(rng, min_digits, max_digits)
+        if ab not in seen:
+            seen.add(ab)
+            out.append(arithmetic_problem(*ab))
+    return out
+
+
+# --- GSM8K / MATH-style sets ------------------------------------------------------------------------
+
+def extract_boxed(text: str):
+    """Content of the last \\boxed{...} (balanced braces), else None."""
+    start = text.rfind("\\boxed")
+    while start != -1:
+        i = text.find("{", start)
+        if i != -1 and text[start + 6:i].strip() == "":
+            depth = 0
+            for j in range(i, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[j], 0)
+                if depth == 0:
+                    return text[i + 1:j]
+        start = text.rfind("\\boxed", 0, start)
+    return None
+
+
+def gold_answer(record: dict) -> str:
+    """GSM8K: text after '####'; MATH: last \\boxed{} of the answer/solution; else the answer as is."""
+    ans = str(record.get("answer", record.get("solution", "")))
+    if "####" in ans:
+        return ans.split("####")[-1].strip().replace(",", "")
+    return extract_boxed(ans) or extract_boxed(str(record.get("solution", ""))) or ans.strip()
+
+
+def load_records(source: str, split: str) -> list:
+    """A local JSONL path, or an HF dataset name (`name` or `name:config`) when `datasets` is installed."""
+    if source.endswith(".jsonl") or os.path.exists(source):
+        with open(source) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    try:
+        import datasets
+    except ImportError as e:
+        raise SystemExit(f"data path {source!r} is not a .jsonl file and the `datasets` package is not "
+                         f"installed (pip install datasets) to load it from the HF hub") from e
+    name, _, config = source.partition(":")
+    return list(datasets.load_dataset(name, config or None, split=split))
+
+
+def math_problems(source: str, split: str) -> list:
+    out = []
+    for r in load_records(source, split):
+        q = r.get("problem", r.get("question"))
+        if q is None or ("answer" not in r and "solution" not in r):
+            raise SystemExit(f"{source}: each record needs 'problem' or 'question', and 'answer'; got {sorted(r)}")
+        out.append(Problem(prompt=str(q), answer=gold_answer(r), task="math"))
+    return out
+
+
+# --- the training stream and the test split -----------------------------------------------------------
+
+class TrainStream:
+    """Endless seeded stream of training problems, addressed by cursor (for resume)."""
+
+    def __init__(self, cfg_data, seed: int, test: list):
+        self.cfg, self.seed = cfg_data, seed
+        self.test_keys = {p.prompt for p in test}
+        self.items = math_problems(cfg_data.train_path, cfg_data.hf_split_train) \
+            if cfg_data.task == "math" else None
+        if self.items is not None:
+            self.items = [p for p in self.items if p.prompt not in self.test_keys] or self.items
+
+    def get(self, i: int) -> Problem:
+        if self.items is not None:  # a fresh seeded permutation per epoch
+            n = len(self.items)
+            perm = np.random.default_rng([self.seed, i // n]).permutation(n)
+            return self.items[perm[i % n]]
+        for k in range(1000):  # redraw the rare training problem that is in the test split
+            rng = np.random.default_rng([self.seed, i, k])
+            p = arithmetic_problem(*_draw_operands(rng, self.cfg.min_digits, self.cfg.max_digits))
+            if p.prompt not in self.test_keys:
+                return p
+        raise RuntimeError("arithmetic: the test split covers the whole problem space; lower data.test_size")
+
+
+def load_tasks(cfg):
+    """-> (TrainStream, test problems) for a Config."""
+    d = cfg.data
+    if d.task == "math":
+        test = math_problems(d.test_path, d.hf_split_test)[:d.test_size] if d.test_path else []
+    else:
+        test = arithmetic_test(d.test_size, d.min_digits, d.max_digits)
+    return TrainStream(d, cfg.run.seed, test), test
+
+
+def format_prompt(problem: Problem, tokenizer=None, prompt_format: str = "plain") -> str:
+    """plain: the question as is (the tiny model); chat: the tokenizer's chat template + \\boxed{} ask."""
+    if prompt_format == "plain":
+        return problem.prompt
+    messages = [{"role": "user", "content": f"{problem.prompt}\n{BOXED_INSTRUCTION}"}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
