@@ -93,7 +93,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clam
     Masked tokens may hold any finite values: they touch neither the loss, its gradient nor the stats.
     """
     m = mask.bool()  # [B,T]
-    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # [B,T] log π/μ; 0 off-mask
+    log_ratio = torch.where(m, logprobs.detach() - old_logprobs, 0.0)  # [B,T] log π/μ; 0 off-mask
     ratio = torch.exp(log_ratio)  # [B,T] (4) raw IS ratio π/μ, no gradient (sg)
     weight = torch.clamp(ratio, max=is_clamp)  # [B,T] (4) truncated IS weight
     per_token = torch.where(m, weight * advantages[:, None] * logprobs, 0.0)  # [B,T] (5) summand
@@ -101,7 +101,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clam
 
     with torch.no_grad():
         f64 = torch.float64
-        clamped = (ratio > is_clamp) & m  # [B,T]
+        clamped = ratio > is_clamp  # [B,T] (4) the truncation engaged; never off-mask (ratio = 1)
         kl = ratio - 1.0 - log_ratio  # [B,T] (7) k3, 0 off-mask since ratio = 1 there
 
         def msum(x):  # sum over masked tokens, in float64
@@ -111,7 +111,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clam
             "tokens": m.to(f64).sum(),
             "ratio_sum": msum(weight),  # (6) Σ w, w after the clamp
             "ratio_sq_sum": msum(weight * weight),  # (6) Σ w²
-            "clamped_tokens": clamped.to(f64).sum(),
+            "clamped_tokens": msum(clamped),
             "logprob_sum": msum(logprobs.detach()),
             "old_logprob_sum": msum(old_logprobs),
             "kl_sum": msum(kl),  # (7)
