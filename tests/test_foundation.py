@@ -1,0 +1,262 @@
+"""Tier (a)/(b): config, wire format, tasks, tokenizer, the tiny model in HF and vLLM.
+
+Run: bash run.sh test tests/test_foundation.py
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+
+import common
+import tasks
+from common import ConfigError, WireError
+from conftest import REPO, free_port
+
+
+# --- config -----------------------------------------------------------------------------------------
+
+def test_defaults_load_and_match_dataclass_defaults():
+    cfg = common.load_config()
+    assert cfg.trainer.batch_size % cfg.actor.group_size == 0
+    # config.yaml and the dataclasses name the same keys: every yaml key was accepted, and every
+    # dataclass field appears in config.yaml (so each has its one-line comment there).
+    import yaml
+    raw = yaml.safe_load((REPO / "config.yaml").read_text())
+    for section, cls in common._SECTIONS.items():
+        assert set(raw[section]) == {f.name for f in common.fields(cls)}, section
+    for line in (REPO / "config.yaml").read_text().splitlines():
+        if line.startswith("  ") and ":" in line and not line.strip().startswith("#"):
+            assert "#" in line, f"config.yaml field without a comment: {line!r}"
+
+
+def test_override_types():
+    cfg = common.load_config(["trainer.lr=3e-5", "actor.max_lag=2", "run.resume=true",
+                              "trainer.betas=[0.8,0.9]", "run.dir=/tmp/x"])
+    assert cfg.trainer.lr == 3e-5 and isinstance(cfg.trainer.lr, float)
+    assert cfg.actor.max_lag == 2 and cfg.run.resume is True
+    assert cfg.trainer.betas == (0.8, 0.9)
+    assert str(cfg.run_dir) == "/tmp/x"
+    with pytest.raises(Exception):  # frozen
+        cfg.trainer.lr = 1.0
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("actor.nope=1", "unknown key 'actor.nope'"),
+    ("nosection.x=1", "unknown section 'nosection'"),
+    ("trainer.lr=fast", "trainer.lr: expected a number"),
+    ("actor.max_lag=1.5", "actor.max_lag: expected an integer"),
+    ("run.resume=3", "run.resume: expected true or false"),
+    ("trainer.betas=[0.9]", "trainer.betas: expected a list of 2 numbers"),
+    ("trainer.batch_size=100", "multiple of actor.group_size=8"),
+    ("trainer.nproc=3", "divisible by the trainer ranks"),
+    ("actor.schedule=async", "actor.schedule='async'; allowed: pipeline, conventional"),
+    ("actor.temperature=0", "actor.temperature=0.0: must be > 0"),
+    ("actor.group_size=0", "actor.group_size=0: must be >= 1"),
+    ("data.task=math", "data.task=math needs data.train_path"),
+    ("trainer.lr", "expected section.key=value"),
+])
+def test_bad_config_names_the_key(override, needle):
+    with pytest.raises(ConfigError) as e:
+        common.load_config([override])
+    assert needle in str(e.value)
+
+
+def test_conventional_needs_lag_room():
+    common.load_config(["actor.schedule=conventional", "actor.G_steps=4", "actor.max_lag=3"])
+    with pytest.raises(ConfigError, match="G_steps-1"):
+        common.load_config(["actor.schedule=conventional", "actor.G_steps=4", "actor.max_lag=2"])
+
+
+def test_check_cli_exits_nonzero_before_anything_starts():
+    ok = subprocess.run([sys.executable, "common.py", "check", "trainer.lr=1e-5"], cwd=REPO,
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "lr: 1.0e-05" in ok.stdout
+    bad = subprocess.run([sys.executable, "common.py", "check", "trainer.bogus=1"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "trainer.bogus" in bad.stderr
+
+
+def test_run_info_and_metrics(tmp_path):
+    cfg = common.load_config([f"run.dir={tmp_path}"])
+    common.write_run_info(cfg, "actor")
+    info = json.loads((tmp_path / "run_info_actor.json").read_text())
+    assert info["versions"]["torch"] and info["git_commit"]
+    assert common.load_config([], path=tmp_path / "config.yaml") == cfg  # resolved config reloads
+    common.setup_logging(cfg, "actor")
+    common.log("actor", {"tokens_per_s": 12.5, "lag_max": 3}, step=7)
+    rec = common.read_jsonl(tmp_path / "metrics_actor.jsonl")[-1]
+    assert rec["step"] == 7 and rec["actor/tokens_per_s"] == 12.5 and rec["actor/lag_max"] == 3
+
+
+# --- wire format --------------------------------------------------------------------------------------
+
+def _rollout(n=5):
+    header = {"group_id": 3, "sample_idx": 1, "group_size": 8, "task": "arithmetic", "answer": "42",
+              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5}
+    arrays = {"prompt_ids": np.arange(4, dtype=np.int32), "completion_ids": np.arange(n, dtype=np.int32),
+              "logprobs": -np.ones(n, dtype=np.float32), "versions": np.zeros(n, dtype=np.int32)}
+    return header, arrays
+
+
+def test_wire_roundtrip_over_zmq():
+    ctx = zmq.Context.instance()
+    port = free_port()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(f"tcp://127.0.0.1:{port}")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    h, a = _rollout()
+    common.send(push, h, a)
+    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5}
+    common.send(push, sample, a)
+    h2, a2 = common.recv(pull, "rollout")
+    h3, a3 = common.recv(pull, "sample")
+    assert h2 == h and h3 == sample
+    for k in a:
+        assert a2[k].dtype == a[k].dtype and np.array_equal(a2[k], a[k]) and np.array_equal(a3[k], a[k])
+    push.close(0)
+    pull.close(0)
+
+
+def test_wire_malformed_raises_wire_error_only():
+    h, a = _rollout()
+    good = common.encode(h, a)
+    cases = {
+        "truncated frame": good[:1] + [good[1][:-4]] + good[2:],
+        "missing frame": good[:-1],
+        "bad json": [b"{not json"] + good[1:],
+        "not utf8": [b"\xff\xfe"] + good[1:],
+        "wrong dtype": common.encode(h, {**a, "logprobs": a["logprobs"].astype(np.float64)}),
+        "wrong length": common.encode(h, {**a, "versions": np.zeros(3, dtype=np.int32)}),
+        "missing field": common.encode({k: v for k, v in h.items() if k != "answer"}, a),
+        "wrong field type": common.encode({**h, "group_id": "3"}, a),
+        "bool as int": common.encode({**h, "group_size": True}, a),
+        "missing array": common.encode(h, {k: v for k, v in a.items() if k != "versions"}),
+        "bad sample_idx": common.encode({**h, "sample_idx": 8}, a),
+        "empty": [],
+        "header not object": [b"[1,2]"],
+    }
+    for name, frames in cases.items():
+        with pytest.raises(WireError):
+            common.decode(frames, "rollout")
+            pytest.fail(name)
+    with pytest.raises(WireError, match="missing field 'reward'"):
+        common.decode(good, "sample")
+    with pytest.raises(WireError, match="not allowed"):
+        common.encode(h, {"x": np.array(["a"])})
+
+
+def test_no_pickle_anywhere():
+    for f in ["common.py", "actor.py", "verifier.py", "trainer.py", "weights_sync.py"]:
+        p = REPO / f
+        if p.exists():
+            src = p.read_text()
+            assert "import pickle" not in src and "recv_pyobj" not in src and "send_pyobj" not in src, f
+
+
+# --- tasks ----------------------------------------------------------------------------------------------
+
+def test_arithmetic_splits_disjoint_answers_correct_lengths_spread():
+    cfg = common.load_config()
+    train, test = tasks.load_tasks(cfg)
+    assert len(test) == cfg.data.test_size == len({p.prompt for p in test})
+    train_items = [train.get(i) for i in range(3000)]
+    assert not {p.prompt for p in train_items} & {p.prompt for p in test}
+    for p in train_items[:500] + test:
+        a, b = map(int, p.prompt.strip().rstrip("=").split("+"))
+        assert int(p.answer) == a + b
+        assert tasks.arithmetic_final_answer(p.target) == p.answer
+        # the worked solution adds up column by column
+        for line in p.target.splitlines()[:-1]:
+            lhs, rhs = line.split("=")
+            assert sum(map(int, lhs.split("+"))) == int(rhs)
+    lengths = [len(p.target) for p in train_items]
+    assert max(lengths) >= 4 * min(lengths)
+    assert train.get(17) == train.get(17)  # addressable by cursor (resume)
+    other, _ = tasks.load_tasks(common.load_config(["run.seed=1"]))
+    assert [other.get(i) for i in range(20)] != train_items[:20]
+
+
+def test_math_loaders_and_prompt_formats(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "2+2?", "answer": "two plus two\n#### 4"},
+        {"problem": "Half?", "answer": "\\frac{1}{2}"},
+        {"problem": "Sol?", "solution": "so \\boxed{\\frac{3}{\\sqrt{2}}} done"},
+        {"question": "Big?", "answer": "#### 1,000"},
+    ]) + "\n")
+    probs = tasks.math_problems(str(path), "train")
+    assert [p.answer for p in probs] == ["4", "\\frac{1}{2}", "\\frac{3}{\\sqrt{2}}", "1000"]
+    assert all(p.task == "math" for p in probs)
+    cfg = common.load_config(["data.task=math", f"data.train_path={path}", f"data.test_path={path}"])
+    train, test = tasks.load_tasks(cfg)
+    assert len(test) == 4 and train.get(0).task == "math"
+    assert tasks.format_prompt(probs[0]) == "2+2?"
+    assert tasks.extract_boxed("a \\boxed{1} b \\boxed{x^{2}}") == "x^{2}"
+    assert tasks.extract_boxed("no box") is None
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(SystemExit, match="needs 'problem' or 'question'"):
+        tasks.math_problems(str(bad), "train")
+
+
+def test_chat_prompt_format_uses_template():
+    class Tok:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt
+            return "<user>" + messages[0]["content"] + "<assistant>"
+    p = tasks.Problem("What is 1+1?", "2", "math")
+    out = tasks.format_prompt(p, Tok(), "chat")
+    assert out.startswith("<user>What is 1+1?") and "\\boxed{}" in out and out.endswith("<assistant>")
+
+
+# --- tokenizer + tiny model -------------------------------------------------------------------------
+
+def test_tokenizer_roundtrips_identically(tiny_model_dir):
+    from transformers import AutoTokenizer
+    from scripts.make_tiny_model import make_tokenizer
+    fast = make_tokenizer()
+    auto = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = ["47+385=\n", tasks.arithmetic_solution(9999, 9999), " two  spaces\n\nnewlines\t tab ",
+             "\\boxed{\\frac{1}{2}} ünïcödé ∑"]
+    for t in texts:
+        ids = fast.backend_tokenizer.encode(t, add_special_tokens=False).ids
+        assert auto(t, add_special_tokens=False)["input_ids"] == ids
+        assert len(ids) == len(t.encode("utf-8"))  # one token per byte: no merges
+        assert auto.decode(ids) == t == fast.decode(ids)
+    assert auto.eos_token_id == 256
+
+
+def test_tiny_model_hf_and_vllm_greedy_agree(tiny_model_dir):
+    """The embedded architecture loads in HF and in vLLM, and greedy generations match."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 0.8e6 < n_params < 1.5e6 and not model.config.tie_word_embeddings
+    prompts = ["12+34=\n", "9+9=\n", "1234+5678=\n"]
+    hf = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None,
+                             pad_token_id=tok.eos_token_id, min_new_tokens=16)
+        hf.append(out[0, ids.shape[1]:].tolist())
+    code = f"""
+import json, os
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model={tiny_model_dir!r}, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+              max_model_len=128, max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{{"prompt_token_ids": ids}} for ids in {[tok(p, add_special_tokens=False)["input_ids"] for p in prompts]!r}], sp)
+    print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, r.stdout[-3000:] + r.stderr[-3000:]
+    assert json.loads(line[0][6:]) == hf
