@@ -14,6 +14,7 @@
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -35,7 +36,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RunCfg:
-    dir: str = "runs/default"
+    dir: str = ""
     seed: int = 0
     resume: bool = False
     peer_timeout_s: float = 300.0
@@ -149,7 +150,10 @@ class Config:
     # --- derived values: computed here and nowhere else ---
     @property
     def run_dir(self) -> Path:
-        return (REPO / self.run.dir) if not os.path.isabs(self.run.dir) else Path(self.run.dir)
+        """run.sh always passes an explicit run.dir (see `resolve_run_dir`); a role started alone
+        without one writes to runs/standalone."""
+        d = self.run.dir or "runs/standalone"
+        return (REPO / d) if not os.path.isabs(d) else Path(d)
 
     @property
     def model_path(self) -> str:
@@ -503,10 +507,67 @@ def read_jsonl(path) -> list:
     return out
 
 
+# --- run.sh helpers ----------------------------------------------------------------------------------
+
+def resolve_run_dir(cfg: Config, roles: list) -> str:
+    """run.dir="" -> a new runs/<time> (or, with run.resume=true, the newest run under runs/).
+    A run directory that already holds one of `roles`' metrics is only reused with run.resume=true."""
+    if not cfg.run.dir:
+        runs = sorted(p for p in (REPO / "runs").glob("*") if (p / "config.yaml").exists()) \
+            if (REPO / "runs").exists() else []
+        if cfg.run.resume:
+            if not runs:
+                raise ConfigError("run.resume=true but there is no run under runs/ to resume; pass run.dir=...")
+            return str(max(runs, key=lambda p: p.stat().st_mtime))
+        return str(REPO / "runs" / time.strftime("%Y%m%d-%H%M%S"))
+    d = cfg.run_dir
+    used = [r for r in roles if (d / f"metrics_{r}.jsonl").exists()]
+    if used and not cfg.run.resume:
+        raise ConfigError(f"run.dir={cfg.run.dir} already holds a run ({', '.join(used)} metrics): pass "
+                          f"run.resume=true to continue it, or choose another run.dir")
+    return str(d)
+
+
+def progress(run_dir: str, poll_s: float = 1.0):
+    """Follow the trainer's and actor's metrics; print one line per optimizer step (run.sh)."""
+    run_dir, seen, test = Path(run_dir), 0, "-"
+    t0 = None
+    while True:
+        recs = read_jsonl(run_dir / "metrics_trainer.jsonl")
+        evals = read_jsonl(run_dir / "eval.jsonl")
+        if evals:
+            test = f"{evals[-1]['test_reward']:.3f} (v{evals[-1]['version']})"
+        for r in recs[seen:]:
+            t0 = t0 or r["time"] - r.get("trainer/elapsed_s", 0)
+            g = lambda k, f="{:.3g}": f.format(r[k]) if k in r else "-"  # noqa: E731
+            print(f"step {r['step']:>4} | reward {g('trainer/reward_mean', '{:.3f}')} | test {test} | "
+                  f"lag {g('trainer/lag_mean', '{:.2f}')}/{g('trainer/lag_max', '{:.0f}')} | "
+                  f"ess {g('trainer/ess', '{:.3f}')} | {g('trainer/samples_per_s', '{:.1f}')} samples/s | "
+                  f"{r['time'] - t0:.0f} s", flush=True)
+        seen = len(recs)
+        time.sleep(poll_s)
+
+
 if __name__ == "__main__":
     # `python common.py check [overrides]`: validate and print the resolved config.
-    if len(sys.argv) >= 2 and sys.argv[1] == "check":
-        cfg = parse_argv(sys.argv[2:])
-        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    # `python common.py shell ROLES [overrides]`: the values run.sh needs, as shell assignments.
+    # `python common.py progress RUN_DIR`: follow a run's metrics, one line per step.
+    cmd = sys.argv[1] if len(sys.argv) > 1 else ""
+    if cmd == "check":
+        print(yaml.safe_dump(config_to_dict(parse_argv(sys.argv[2:])), sort_keys=False), end="")
+    elif cmd == "shell":
+        cfg = parse_argv(sys.argv[3:])
+        try:
+            run_dir = resolve_run_dir(cfg, sys.argv[2].split(","))
+        except ConfigError as e:
+            sys.exit(f"config error: {e}")
+        values = {"RUN_DIR": run_dir, "TRAINER_NPROC": cfg.trainer.nproc, "TRAINER_NNODES": cfg.trainer.nnodes,
+                  "ACTOR_CORES": cfg.actor.cpu_cores, "TRAINER_CORES": cfg.trainer.cpu_cores,
+                  "VERIFIER_CORES": cfg.verifier.cpu_cores, "ACTOR_GPUS": cfg.actor.gpus,
+                  "TRAINER_GPUS": cfg.trainer.gpus, "MODEL_PATH": cfg.model.path,
+                  "PEER_TIMEOUT": int(cfg.run.peer_timeout_s), "SYNC_PORT": cfg.sync.port}
+        print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items()))
+    elif cmd == "progress":
+        progress(sys.argv[2])
     else:
-        sys.exit("usage: python common.py check [section.key=value ...]")
+        sys.exit("usage: python common.py check|shell ROLES|progress RUN_DIR [section.key=value ...]")

@@ -42,3 +42,104 @@ setup() {
 }
 setup
 export PY
+
+# --- test ----------------------------------------------------------------------------------------
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"   # vLLM workers import weights_sync by name
+export TOKENIZERS_PARALLELISM=false
+if [[ "${1:-}" == "test" ]]; then
+  shift
+  exec "$PY" -m pytest -q -p no:cacheprovider "${@:-tests}"
+fi
+if [[ "${1:-}" == "setup" ]]; then exit 0; fi
+
+# --- config: validated before any process starts ---------------------------------------------------
+NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"; MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+export NNODES
+OVERRIDES=("$@")
+if (( NNODES > 1 )); then
+  # Every role finds trainer rank 0 (TCPStore, weight group) and the verifier (ZMQ) on node 0.
+  OVERRIDES=("sync.host=$MASTER_ADDR" "ports.host=$MASTER_ADDR" "${OVERRIDES[@]}")
+fi
+TNODES=$("$PY" common.py check "${OVERRIDES[@]}" | "$PY" -c "import sys,yaml; print(yaml.safe_load(sys.stdin)['trainer']['nnodes'])") || exit 2
+ROLES=()
+if (( NODE_RANK == 0 )); then ROLES+=(verifier); fi
+if (( NODE_RANK < TNODES )); then ROLES+=(trainer); fi
+if (( NODE_RANK >= TNODES || NNODES == 1 )); then ROLES+=(actor); fi
+if (( NNODES > 1 )) && ! printf '%s\n' "${OVERRIDES[@]}" | grep -q '^run.dir='; then
+  echo "config error: with NNODES>1 pass the same run.dir=... on every node" >&2; exit 2
+fi
+eval "$("$PY" common.py shell "$(IFS=,; echo "${ROLES[*]}")" "${OVERRIDES[@]}")" || exit 2
+OVERRIDES+=("run.dir=$RUN_DIR")
+mkdir -p "$RUN_DIR/logs"
+
+# --- the embedded model: built once, cached ------------------------------------------------------
+if [[ "$MODEL_PATH" == "assets/tiny-model" && ! -f assets/tiny-model/COMPLETE ]]; then
+  echo "[run.sh] building the embedded tiny model (once, ~3 min)..."
+  "$PY" scripts/make_tiny_model.py --out assets/tiny-model
+fi
+
+# --- launch: one process group per role, so that stopping a role stops its children too ---------------
+declare -A PIDS=()
+cores_count() { "$PY" -c "import sys; print(sum(len(range(int(a), int(b)+1)) if '-' in p else 1 for p in sys.argv[1].split(',') for a,_,b in [p.partition('-')]))" "$1"; }
+launch() {  # launch ROLE CORES GPUS command...
+  local role=$1 cores=$2 gpus=$3; shift 3
+  local pin=()
+  if [[ -z "$gpus" && -n "$cores" ]]; then pin=(taskset -c "$cores"); fi
+  local threads; threads=$(cores_count "${cores:-0}")
+  OMP_NUM_THREADS=$threads PIPELINERL_THREADS=$threads CUDA_VISIBLE_DEVICES="$gpus" \
+    setsid "${pin[@]}" "$@" >>"$RUN_DIR/logs/$role.log" 2>&1 < /dev/null &
+  PIDS[$role]=$!
+  echo "[run.sh] started $role (pid ${PIDS[$role]}, cores ${cores:-all}${gpus:+, gpus $gpus}) -> $RUN_DIR/logs/$role.log"
+}
+stop_all() {
+  local role
+  for role in "${!PIDS[@]}"; do kill -TERM -- "-${PIDS[$role]}" 2>/dev/null || true; done
+  for _ in $(seq 1 50); do
+    local alive=0
+    for role in "${!PIDS[@]}"; do kill -0 -- "-${PIDS[$role]}" 2>/dev/null && alive=1; done
+    (( alive )) || break; sleep 0.2
+  done
+  for role in "${!PIDS[@]}"; do kill -KILL -- "-${PIDS[$role]}" 2>/dev/null || true; done
+  [[ -n "${PROGRESS_PID:-}" ]] && kill "$PROGRESS_PID" 2>/dev/null || true
+}
+trap 'echo "[run.sh] interrupted: stopping all roles"; stop_all; exit 130' INT TERM
+
+echo "[run.sh] node $NODE_RANK/$NNODES runs: ${ROLES[*]}; run directory: $RUN_DIR"
+for role in "${ROLES[@]}"; do
+  case $role in
+    verifier) launch verifier "$VERIFIER_CORES" "" "$PY" verifier.py "${OVERRIDES[@]}" ;;
+    actor)    ACTOR_PROC_INDEX=$(( NNODES > 1 ? NODE_RANK - TNODES : 0 )) \
+              launch actor "$ACTOR_CORES" "$ACTOR_GPUS" "$PY" actor.py "${OVERRIDES[@]}" ;;
+    trainer)  launch trainer "$TRAINER_CORES" "$TRAINER_GPUS" "$PY" -m torch.distributed.run \
+                --nnodes "$TNODES" --node_rank "$NODE_RANK" --nproc_per_node "$TRAINER_NPROC" \
+                --master_addr "$MASTER_ADDR" --master_port "$(( SYNC_PORT + 1 ))" \
+                trainer.py "${OVERRIDES[@]}" ;;
+  esac
+done
+if [[ -n "${PIDS[trainer]:-}" && "$NODE_RANK" == 0 ]]; then
+  "$PY" common.py progress "$RUN_DIR" & PROGRESS_PID=$!
+fi
+
+# --- watch: the run ends when the trainer ends (or, on an actor-only node, when the actor ends) ------
+MAIN=trainer; [[ -z "${PIDS[trainer]:-}" ]] && MAIN=actor
+while true; do
+  for role in "${!PIDS[@]}"; do
+    if ! kill -0 "${PIDS[$role]}" 2>/dev/null; then
+      wait "${PIDS[$role]}" && rc=0 || rc=$?
+      if [[ "$role" == "$MAIN" && $rc == 0 ]]; then
+        sleep 1; stop_all
+        echo "[run.sh] done: $MAIN finished; run directory: $RUN_DIR"
+        "$PY" -c "import common,sys; r=common.read_jsonl(sys.argv[1]+'/metrics_trainer.jsonl'); e=common.read_jsonl(sys.argv[1]+'/eval.jsonl'); print('[run.sh] summary: steps', r[-1]['step'] if r else 0, '| last test reward', e[-1]['test_reward'] if e else '-', '| first test reward', e[0]['test_reward'] if e else '-')" "$RUN_DIR" 2>/dev/null || true
+        exit 0
+      fi
+      if [[ "$role" != "$MAIN" && $rc == 0 ]]; then   # e.g. the actor saw the trainer's "done" first
+        unset "PIDS[$role]"; continue
+      fi
+      echo "[run.sh] FAILED: role '$role' exited with code $rc; stopping the others. Last lines of $RUN_DIR/logs/$role.log:" >&2
+      tail -n 25 "$RUN_DIR/logs/$role.log" >&2 || true
+      stop_all
+      exit 1
+    fi
+  done
+  sleep 1
+done
