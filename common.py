@@ -222,7 +222,8 @@ def _coerce(key: str, value, default):
 
 
 def load_config(overrides=(), path=None) -> Config:
-    """config.yaml (or `path`) + `section.key=value` overrides -> validated Config."""
+    """config.yaml (or `path`) + overlay files (`configs/x.yaml`) and `section.key=value` overrides,
+    applied in order -> validated Config."""
     path = Path(path) if path else REPO / "config.yaml"
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -231,6 +232,16 @@ def load_config(overrides=(), path=None) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections")
     for item in overrides:
+        if "=" not in item and item.endswith(".yaml"):  # an overlay file, e.g. configs/qwen2.5-1.5b-gsm8k.yaml
+            try:
+                overlay = yaml.safe_load(Path(item).read_text()) or {}
+            except (OSError, yaml.YAMLError) as e:
+                raise ConfigError(f"cannot read config overlay {item}: {e}") from e
+            for section, values in overlay.items():
+                if not isinstance(values, dict) or not isinstance(raw.get(section, {}), dict):
+                    raise ConfigError(f"{item}: section {section!r} must be a mapping")
+                raw.setdefault(section, {}).update(values)
+            continue
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"override {item!r}: expected section.key=value, e.g. trainer.lr=3e-5")
         dotted, value = item.split("=", 1)

@@ -120,7 +120,7 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens=48, batch=150) ->
     return correct / len(problems)
 
 
-def warm_start(out_dir, seed=0, band=(0.35, 0.45), max_seconds=240, lr=3e-3, batch_size=64,
+def warm_start(out_dir, seed=0, band=(0.35, 0.45), max_seconds=240, lr=2e-3, batch_size=64,
                eval_every=5, test_size=300, log=print):
     """Supervised training on the arithmetic task; stop at the first evaluation inside `band`."""
     from transformers import Qwen2ForCausalLM
@@ -181,7 +181,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="assets/tiny-model")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--band", type=float, nargs=2, default=(0.35, 0.45))
+    ap.add_argument("--band", type=float, nargs=2, default=(0.38, 0.45))
     ap.add_argument("--max-seconds", type=float, default=240)
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

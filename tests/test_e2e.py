@@ -1,0 +1,184 @@
+"""Tier (c): `run.sh` end to end in subprocesses, on a tiny random model: success, failures, resume,
+two "nodes" on loopback, and the README's paths.
+
+Run: bash run.sh test tests/test_e2e.py      (about 6-8 minutes on 2 cores)
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import common
+from conftest import REPO, free_port
+
+MAX_LAG = 2
+
+
+def short_config(model_dir, run_dir, **extra):
+    """A few steps of the whole pipeline on a random tiny model, on free ports."""
+    sync_port = free_port()
+    kv = {"model.path": model_dir, "run.dir": run_dir, "trainer.max_steps": 4, "trainer.batch_size": 16,
+          "actor.group_size": 4, "actor.max_tokens": 24, "actor.max_lag": MAX_LAG, "actor.max_inflight": 32,
+          "actor.eval_every": 2, "data.test_size": 16, "trainer.checkpoint_every": 2,
+          "run.peer_timeout_s": 120, "sync.port": sync_port, "ports.rollouts": free_port(),
+          "ports.samples": free_port(), "run.log_every": 0.5}
+    kv.update(extra)
+    return [f"{k}={v}" for k, v in kv.items()]
+
+
+def start(args, env=None):
+    return subprocess.Popen(["bash", "run.sh", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+                            start_new_session=True)
+
+
+def finish(proc, timeout=400):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail("run.sh did not finish in time:\n" + out[-5000:])
+    return proc.returncode, out
+
+
+def wait_for(cond, timeout, proc=None, what=""):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if cond():
+            return
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"run.sh exited early ({proc.returncode}) while waiting for {what}:\n"
+                        + proc.stdout.read()[-5000:])
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def trainer_steps(run_dir):
+    return [r["step"] for r in common.read_jsonl(Path(run_dir) / "metrics_trainer.jsonl")]
+
+
+def check_run_dir(run_dir):
+    run_dir = Path(run_dir)
+    for role in ("actor", "verifier", "trainer"):
+        assert common.read_jsonl(run_dir / f"metrics_{role}.jsonl"), f"no {role} metrics"
+        assert (run_dir / f"run_info_{role}.json").exists()
+    # trained sequences: per-token versions; lag <= max_lag everywhere; in-flight updates happened
+    records = common.read_jsonl(run_dir / "samples_trainer.jsonl")
+    assert records
+    spans_two, max_lag = False, 0
+    for rec in records:
+        for versions in rec["versions"]:
+            if versions:
+                spans_two |= len(set(versions)) >= 2
+                max_lag = max(max_lag, rec["trainer_version"] - min(versions))
+    assert spans_two, "no trained sequence had tokens from two policy versions"
+    assert max_lag <= MAX_LAG
+    # a checkpoint loadable by HF
+    ckpts = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert ckpts and (ckpts[-1] / "COMPLETE").exists()
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(ckpts[-1])
+    return ckpts
+
+
+def test_e2e_single_node(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    rc, out = finish(start(short_config(tiny_model_dir, run_dir)))
+    assert rc == 0, out[-6000:]
+    assert re.search(r"step +4 \| reward", out), out[-3000:]  # one progress line per optimizer step
+    assert "[run.sh] done" in out
+    check_run_dir(run_dir)
+    assert trainer_steps(run_dir)[-1] == 4
+    assert common.read_jsonl(run_dir / "eval.jsonl"), "no test evaluation recorded"
+
+
+def test_bad_config_fails_before_starting(tmp_path):
+    r = subprocess.run(["bash", "run.sh", "actor.typo=1", f"run.dir={tmp_path}/x"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "actor.typo" in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def _descendants(pid):
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _role_pid(run_dir, role):
+    return json.loads((Path(run_dir) / f"run_info_{role}.json").read_text())["pid"]
+
+
+@pytest.mark.parametrize("role", ["verifier", "actor"])
+def test_killed_role_stops_everything(tiny_model_dir, tmp_path, role):
+    run_dir = tmp_path / "run"
+    proc = start(short_config(tiny_model_dir, run_dir, **{"trainer.max_steps": 1000}))
+    wait_for(lambda: len(trainer_steps(run_dir)) >= 1, 300, proc, "the first optimizer step")
+    procs = _descendants(proc.pid)
+    os.kill(_role_pid(run_dir, role), signal.SIGKILL)
+    t0 = time.time()
+    rc, out = finish(proc, timeout=60)
+    assert rc != 0 and time.time() - t0 < 30, out[-3000:]
+    assert f"role '{role}'" in out
+    time.sleep(1)
+    alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"orphans: {[(p.pid, p.cmdline()[:3]) for p in alive]}"
+
+
+def test_killed_trainer_then_resume(tiny_model_dir, tmp_path):
+    """SIGKILL the trainer after a checkpoint: run.sh stops everything; resume continues the steps."""
+    run_dir = tmp_path / "run"
+    args = short_config(tiny_model_dir, run_dir, **{"trainer.max_steps": 1000})
+    proc = start(args)
+    ckpt = run_dir / "checkpoints" / "step-2" / "COMPLETE"
+    wait_for(ckpt.exists, 300, proc, "checkpoint step-2")
+    procs = _descendants(proc.pid)
+    os.kill(_role_pid(run_dir, "trainer"), signal.SIGKILL)
+    t0 = time.time()
+    rc, out = finish(proc, timeout=60)
+    assert rc != 0 and time.time() - t0 < 30 and "role 'trainer'" in out, out[-3000:]
+    time.sleep(1)
+    assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    before = trainer_steps(run_dir)
+    last_ckpt = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*")
+                    if (p / "COMPLETE").exists())
+    # resume with the same ports etc. but a finite horizon
+    resume_args = [a for a in args if not a.startswith("trainer.max_steps")] + \
+        [f"trainer.max_steps={last_ckpt + 2}", "run.resume=true"]
+    rc, out = finish(start(resume_args))
+    assert rc == 0, out[-6000:]
+    after = trainer_steps(run_dir)
+    assert after[:len(before)] == before  # metrics appended, not overwritten
+    assert after[len(before)] == last_ckpt + 1 and after[-1] == last_ckpt + 2
+
+
+def test_two_nodes_on_loopback(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = short_config(tiny_model_dir, run_dir, **{"trainer.cpu_cores": "1", "verifier.cpu_cores": "1",
+                                                    "actor.cpu_cores": "0"})
+    env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1"}
+    node0 = start(args, {**env, "NODE_RANK": "0"})
+    node1 = start(args, {**env, "NODE_RANK": "1"})
+    rc0, out0 = finish(node0)
+    rc1, out1 = finish(node1, timeout=120)
+    assert rc0 == 0, out0[-5000:]
+    assert rc1 == 0, out1[-5000:]
+    assert "runs: verifier trainer" in out0 and "runs: actor" in out1
+    check_run_dir(run_dir)
+
+
+def test_readme_paths_exist():
+    text = (REPO / "README.md").read_text()
+    paths = set(re.findall(r"`((?:[\w.-]+/)*[\w.-]+\.(?:py|sh|yaml|md|txt|jsonl))`", text))
+    paths |= set(re.findall(r"\]\(((?!http)[^)#]+)\)", text))
+    assert len(paths) >= 8
+    missing = [p for p in paths if not (REPO / p).exists() and not p.startswith(("runs/", "assets/"))]
+    assert not missing, missing
