@@ -1,0 +1,397 @@
+"""trainer.py on CPU: hand-written FSDP over real gloo ranks vs. a plain single-process reference,
+micro-batching, gathered-memory bound, weight broadcast, checkpoints, and main() against fake neighbours.
+
+Run: .venv/bin/python -m pytest -q tests/test_trainer.py        (~1-2 min on 2 cores)
+
+Multi-rank tests start ranks with torch.multiprocessing (spawn) on free ports, one torch thread each.
+Tolerances: "exact" means torch.equal (same arithmetic in the same order, e.g. resume vs uninterrupted).
+FSDP vs. the reference is 1e-5 absolute on parameters after 3 AdamW steps at lr 1e-3: the two sum the
+gradient in different orders (per-rank partial sums, padded micro-batches vs. one sample at a time), ~1e-7
+relative, and Adam divides by sqrt(v), so an element whose gradient nearly cancels can move by a visible
+fraction of lr; measured max 1.1e-6. A real bug (a dropped micro-batch, a wrong normalizer, clipping or
+decay on the wrong elements) moves parameters by ~lr = 1e-3, 100x the tolerance.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import common  # noqa: E402
+import loss  # noqa: E402
+import trainer  # noqa: E402
+from conftest import free_port  # noqa: E402
+
+torch.set_num_threads(1)
+LR, WD, TEMP, CLIP = 1e-3, 0.1, 0.7, 1.0
+CPU = torch.device("cpu")
+
+
+def tiny_model(layers=3):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False))
+
+
+def make_cfg(tmp, world=1, batch_size=12, **kw):
+    over = {"run.dir": str(tmp), "trainer.nproc": world, "trainer.batch_size": batch_size, "actor.group_size": 2,
+            "trainer.lr": LR, "trainer.weight_decay": WD, "trainer.grad_clip": CLIP, "actor.temperature": TEMP,
+            "actor.max_tokens": 12, "trainer.micro_batch_tokens": 40, **kw}
+    return common.load_config([f"{k}={v}" for k, v in over.items()])
+
+
+def make_batch(n, version, seed):
+    """n samples sorted longest first (so the ranks' contiguous shares need different micro-batch counts).
+    Behaviour logprobs around the uniform policy's log(1/64) = -4.16, a fifth of them 3 nats lower so that
+    the IS clamp (ratio > 5) engages; versions up to 3 behind."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        P, C = int(rng.integers(1, 7)), int(rng.integers(1, 12))
+        out.append(dict(prompt_ids=rng.integers(0, 64, P).astype(np.int32),
+                        completion_ids=rng.integers(0, 64, C).astype(np.int32),
+                        logprobs=(rng.uniform(-5, -3.5, C) - 3 * (rng.random(C) < 0.2)).astype(np.float32),
+                        versions=np.sort(rng.integers(max(0, version - 3), version + 1, C)).astype(np.int32),
+                        advantage=float(rng.normal()), reward=float(rng.random() < 0.5), group_id=100 * seed + i // 2))
+    return sorted(out, key=lambda s: -(len(s["prompt_ids"]) + len(s["completion_ids"])))
+
+
+def reference_train(model, batches, batch_size):
+    """The plain single-process version: one sample at a time, torch.optim.AdamW, torch's clipping."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=LR, foreach=False)
+    losses, norms = [], []
+    for batch in batches:
+        opt.zero_grad()
+        total = 0.0
+        for s in batch:
+            P, C = len(s["prompt_ids"]), len(s["completion_ids"])
+            ids = torch.from_numpy(np.concatenate([s["prompt_ids"], s["completion_ids"]]).astype(np.int64))[None]
+            logits = model(input_ids=ids).logits[:, P - 1:P - 1 + C]  # [1,C,V]
+            logprobs = loss.token_logprobs(logits, ids[:, P:], TEMP)  # [1,C]
+            lo, _ = loss.policy_loss(logprobs, torch.from_numpy(s["logprobs"])[None], torch.tensor([s["advantage"]]),
+                                     torch.ones(1, C, dtype=torch.bool), batch_size, is_clamp=5.0)
+            lo.backward()
+            total += lo.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        losses.append(total)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms
+
+
+def full_params(state):
+    """Collective: every rank must call it."""
+    out = {}
+    for unit in state.fsdp.full_units(torch.float32):
+        out.update({n: t.clone() for n, t in unit.items()})
+    return out
+
+
+def spawn(fn, world, *args):
+    mp.spawn(fn, args=(world, free_port()) + args, nprocs=world, join=True)
+
+
+def _init(rank, world, port):
+    torch.set_num_threads(1)
+    # 60 s: a rank that skips a collective then fails the test instead of hanging it for gloo's 30 minutes
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+
+
+def _share(batch, world, rank):
+    n = len(batch) // world
+    return batch[rank * n:(rank + 1) * n]
+
+
+# --- FSDP equivalence ----------------------------------------------------------------------------------
+
+def _fsdp_worker(rank, world, port, tmp, batches):
+    _init(rank, world, port)
+    cfg = make_cfg(tmp, world)
+    state = trainer.build_state(cfg, CPU, model=tiny_model())
+    metrics, counts = [], []
+    for batch in batches:
+        counts.append(len(trainer.pack_micro_batches(_share(batch, world, rank), cfg.trainer.micro_batch_tokens)))
+        metrics.append(trainer.train_step(state, _share(batch, world, rank), cfg))
+    params = full_params(state)
+    torch.save({"params": params, "metrics": metrics, "counts": counts, "peak": state.fsdp.peak_bytes,
+                "shard_sizes": [u.shard.numel() for u in state.fsdp.units],
+                "unit_numels": [u.numel for u in state.fsdp.units]}, Path(tmp) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_matches_single_process_adamw(tmp_path, world):
+    batches = [make_batch(12, v, seed=v) for v in range(3)]
+    spawn(_fsdp_worker, world, str(tmp_path), batches)
+    ref, ref_losses, ref_norms = reference_train(tiny_model(), batches, 12)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    assert any(len(set(c)) > 1 for c in zip(*(r["counts"] for r in results))), "no step padded a rank's micro-batches"
+    if world == 3:
+        assert any(n % 3 for n in results[0]["unit_numels"]), "3 ranks should need padding of some unit"
+    for r in results:
+        assert r["params"].keys() == ref.keys()
+        for name, p in ref.items():
+            torch.testing.assert_close(r["params"][name], p, atol=1e-5, rtol=0, msg=name)
+        for m, lo, norm in zip(r["metrics"], ref_losses, ref_norms):
+            assert m["loss"] == pytest.approx(lo, rel=1e-5, abs=1e-5)
+            assert m["grad_norm"] == pytest.approx(norm, rel=1e-5)
+            assert m["grad_norm"] > CLIP  # clipping was active
+    assert any(m["clamp_frac"] > 0 for m in results[0]["metrics"])  # the IS clamp engaged
+    assert results[0]["metrics"][2]["lag_max"] == 2 and results[0]["metrics"][0]["lag_max"] == 0
+    assert sum(results[0]["shard_sizes"]) * world == sum(n + (-n % world) for n in results[0]["unit_numels"])
+
+
+def test_micro_batch_and_activation_checkpointing_invariance(tmp_path):
+    """Many small micro-batches == one big one == with activation checkpointing; world 1, in-process.
+    Tolerance 1e-6: only the summation order of the micro-batch gradients differs (measured ~1e-8)."""
+    batches = [make_batch(12, v, seed=v) for v in range(2)]
+    runs = {}
+    for name, kw in {"small": {"trainer.micro_batch_tokens": 16}, "large": {"trainer.micro_batch_tokens": 4096},
+                     "ac": {"trainer.micro_batch_tokens": 16, "trainer.activation_checkpointing": "true"}}.items():
+        cfg = make_cfg(tmp_path, **kw)
+        state = trainer.build_state(cfg, CPU, model=tiny_model())
+        runs[name] = ([trainer.train_step(state, b, cfg)["micro_batches"] for b in batches], full_params(state))
+    assert runs["small"][0][0] > 4 and runs["large"][0][0] == 1
+    for name in ("large", "ac"):
+        for k, p in runs["small"][1].items():
+            torch.testing.assert_close(runs[name][1][k], p, atol=1e-6, rtol=0, msg=f"{name}: {k}")
+
+
+def test_gathered_parameter_memory_stays_two_units(tmp_path):
+    """Peak bytes of gathered (full) parameters during a step, counted until the buffers are really freed
+    (weakref.finalize on each gathered buffer): the root unit plus one block, never the whole model."""
+    cfg = make_cfg(tmp_path, **{"trainer.micro_batch_tokens": 16})
+    state = trainer.build_state(cfg, CPU, model=tiny_model(layers=6))
+    trainer.train_step(state, make_batch(12, 0, seed=0), cfg)
+    sizes = sorted(u.numel * 4 for u in state.fsdp.units)  # fp32 on CPU
+    assert state.fsdp.peak_bytes <= sizes[-1] + sizes[-2]
+    assert state.fsdp.peak_bytes < sum(sizes) / 3
+    assert state.fsdp.live_bytes == 0  # nothing gathered survives the step
+
+
+# --- weight broadcast -------------------------------------------------------------------------------------
+
+def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
+    import weights_sync as ws
+    torch.set_num_threads(1)
+    if rank == 2:  # the actor's side: joins the weight group as rank 1
+        store = ws.create_store("127.0.0.1", sync_port, False, 60)
+        pg = ws.init_group(store, 1, 2, "gloo", 60)
+        got = [ws.receive(pg) for _ in range(2)]
+        torch.save({"got": got, "cursor": store.get("cursor").decode()}, Path(tmp) / "receiver.pt")
+        return
+    _init(rank, 2, port)
+    cfg = make_cfg(tmp, 2)
+    state = trainer.build_state(cfg, CPU, model=tiny_model())
+    sender = None
+    if trainer.is_main():
+        store = ws.create_store("127.0.0.1", sync_port, True, 60)
+        store.set("cursor", "7")
+        sender = ws.WeightSender(store, ws.init_group(store, 0, 2, "gloo", 60), bucket_mb=0.01)
+    trainer.send_weights(state, sender, 0)
+    trainer.train_step(state, _share(batch, 2, rank), cfg)
+    trainer.send_weights(state, sender, state.step)
+    params = full_params(state)
+    if trainer.is_main():
+        torch.save(params, Path(tmp) / "trainer.pt")
+    dist.destroy_process_group()
+
+
+def test_broadcast_receiver_gets_trainer_weights(tmp_path):
+    mp.spawn(_broadcast_worker, args=(3, free_port(), str(tmp_path), free_port(), make_batch(12, 0, seed=0)),
+             nprocs=3, join=True)
+    rec = torch.load(tmp_path / "receiver.pt", weights_only=False)
+    params = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    init = dict(tiny_model().named_parameters())
+    (v0, w0), (v1, w1) = rec["got"]
+    assert (v0, v1, rec["cursor"]) == (0, 1, "7")
+    assert list(w1) == list(params)  # same names, manifest order
+    for name, p in params.items():
+        assert w1[name].dtype == torch.float32 and torch.equal(w1[name], p), name  # bitwise: the checksum is the bytes
+        assert torch.equal(w0[name], init[name].detach()), name
+        assert not torch.equal(w0[name], w1[name]), name  # the step changed every tensor
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------------
+
+def test_checkpoint_reloads_in_hf_with_identical_logits(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    cfg = make_cfg(tmp_path, batch_size=8, **{"trainer.init_from": tiny_model_dir, "trainer.keep_checkpoints": 2})
+    state = trainer.build_state(cfg, CPU)  # from trainer.init_from via from_pretrained
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for step in range(3):
+        trainer.train_step(state, make_batch(8, step, seed=step), cfg)
+        path = trainer.save_checkpoint(state, cfg, tokenizer)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-3"]  # keep 2
+    assert {"COMPLETE", "optim-rank0.pt", "trainer_state.json", "config.json", "model.safetensors.index.json",
+            "tokenizer.json"} <= {p.name for p in path.iterdir()}
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        ours = state.model(input_ids=ids).logits
+        theirs = AutoModelForCausalLM.from_pretrained(path).eval()(input_ids=ids).logits
+    assert torch.equal(ours, theirs)  # fp32 master weights, same kernels
+    assert AutoTokenizer.from_pretrained(path).decode(tokenizer.encode("12+34=\n")) == "12+34=\n"
+    assert json.loads((path / "trainer_state.json").read_text())["max_group_id"] == 203
+
+
+def _resume_worker(rank, world, port, tmp, batches):
+    _init(rank, world, port)
+    cfg = make_cfg(tmp, world)
+    state = trainer.build_state(cfg, CPU, model=tiny_model())
+    for i, batch in enumerate(batches):
+        trainer.train_step(state, _share(batch, world, rank), cfg)
+        if i == 1:
+            ckpt = trainer.save_checkpoint(state, cfg)
+    uninterrupted = full_params(state)
+    resumed = trainer.build_state(cfg, CPU, ckpt=trainer.latest_checkpoint(Path(tmp) / "checkpoints"))
+    assert resumed.step == 2 and resumed.max_group_id == 105 and ckpt.name == "step-2"
+    trainer.train_step(resumed, _share(batches[2], world, rank), cfg)
+    if rank == 0:
+        torch.save({"a": uninterrupted, "b": full_params(resumed)}, Path(tmp) / "resume.pt")
+    else:
+        full_params(resumed)
+    dist.destroy_process_group()
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    """2 ranks: steps 1-2, checkpoint, step 3  ==  reload step-2 (model, optimizer shards, counters), step 3:
+    exact. Resumed by 1 rank instead (optimizer shards re-cut): 1e-5, as FSDP vs. the reference."""
+    batches = [make_batch(12, v, seed=v) for v in range(3)]
+    spawn(_resume_worker, 2, str(tmp_path), batches)
+    out = torch.load(tmp_path / "resume.pt", weights_only=False)
+    cfg = make_cfg(tmp_path, 1)
+    one = trainer.build_state(cfg, CPU, ckpt=tmp_path / "checkpoints" / "step-2")
+    trainer.train_step(one, batches[2], cfg)
+    one = full_params(one)
+    for name, p in out["a"].items():
+        assert torch.equal(out["b"][name], p), name
+        torch.testing.assert_close(one[name], p, atol=1e-5, rtol=0, msg=name)
+
+
+def test_incomplete_checkpoints_are_ignored(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name, complete in [("step-2", True), ("step-9", False), (".tmp-step-12", True), ("step-x", True)]:
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / "COMPLETE").write_text("ok\n")
+    assert trainer.latest_checkpoint(root).name == "step-2"
+    assert trainer.latest_checkpoint(tmp_path / "nothing") is None
+
+
+# --- main() against a fake verifier and a fake actor ---------------------------------------------------------------
+
+def _sample_frames(i, version, vocab=64, bad=False):
+    rng = np.random.default_rng(i)
+    P, C = int(rng.integers(1, 6)), int(rng.integers(1, 10))
+    header = {"group_id": i // 2, "sample_idx": i % 2, "group_size": 2, "task": "arithmetic", "answer": "3",
+              "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "reward": float(i % 2), "status": "correct",
+              "advantage": float(i % 2) - 0.5}
+    arrays = {"prompt_ids": rng.integers(0, vocab, P).astype(np.int32),
+              "completion_ids": rng.integers(0, vocab, C).astype(np.int32),
+              "logprobs": np.full(C, -4.0, dtype=np.float32), "versions": np.full(C, version, dtype=np.int32)}
+    if bad:
+        arrays["versions"] = arrays["versions"][:-1] if C > 1 else np.zeros(3, np.int32)
+    return common.encode(header, arrays)
+
+
+def _fake_actor(sync_port, versions, out):
+    import weights_sync as ws
+    store = ws.create_store("127.0.0.1", sync_port, False, 60)
+    pg = ws.init_group(store, 1, 2, "gloo", 60)
+    out["cursor"] = store.get("cursor").decode()
+    for _ in range(versions):
+        out.setdefault("versions", []).append(ws.receive(pg)[0])
+
+
+def _launch(tmp, model_dir, ranks, sync_port, samples_port, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 \
+        else [sys.executable]
+    over = [f"run.dir={tmp}", f"model.path={model_dir}", f"trainer.nproc={ranks}", "trainer.batch_size=4",
+            "actor.group_size=2", "trainer.checkpoint_every=2", f"sync.port={sync_port}",
+            f"ports.samples={samples_port}", "run.peer_timeout_s=20", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(cmd + [str(REPO / "trainer.py")] + over, cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_main_loop_with_fake_verifier_and_actor(tmp_path):
+    """torchrun, 2 ranks, 3 steps: version 0..3 reach the actor, a malformed sample is counted, metrics and
+    samples_trainer.jsonl are written, the final checkpoint exists; then a resume to step 4 continues the
+    version and sets the cursor after the last trained group (1 rank: optimizer shards re-cut)."""
+    import zmq
+    model_dir = tmp_path / "model"
+    tiny_model().save_pretrained(model_dir)
+    samples_port = free_port()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(f"tcp://127.0.0.1:{samples_port}")
+    sent = {"n": 0}
+
+    def verifier(stop):
+        while not stop.is_set():
+            try:  # non-blocking: a trainer that exits between poll and send would block a plain send forever
+                push.send_multipart(_sample_frames(sent["n"], 0, bad=sent["n"] == 3), flags=zmq.NOBLOCK)
+                sent["n"] += 1
+            except zmq.Again:
+                time.sleep(0.05)
+
+    def run(ranks, versions, *extra):
+        sync_port, actor, stop = free_port(), {}, threading.Event()
+        proc = _launch(tmp_path, model_dir, ranks, sync_port, samples_port, *extra)
+        threads = [threading.Thread(target=_fake_actor, args=(sync_port, versions, actor), daemon=True),
+                   threading.Thread(target=verifier, args=(stop,), daemon=True)]
+        for t in threads:
+            t.start()
+        out, _ = proc.communicate(timeout=150)
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        assert proc.returncode == 0, out
+        return actor, out
+
+    actor, out = run(2, 4, "trainer.max_steps=3")
+    assert actor == {"cursor": "0", "versions": [0, 1, 2, 3]}, out
+    recs = [r for r in common.read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    keys = {"trainer/ess", "trainer/kl", "trainer/clamp_frac", "trainer/lag_mean", "trainer/tokens_per_s",
+            "trainer/wait_s", "trainer/broadcast_s", "trainer/kl_lag_2", "trainer/tokens_lag_2",
+            "trainer/lag_by_position"}
+    assert keys <= set(recs[-1]) and recs[-1]["trainer/malformed"] == 1 and recs[1]["trainer/lag_max"] == 1
+    rows = common.read_jsonl(tmp_path / "samples_trainer.jsonl")
+    assert [r["trainer_version"] for r in rows] == [0, 1, 2] and len(rows[0]["group_ids"]) == 2  # rank 0's share
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-3"]
+    max_group = json.loads((tmp_path / "checkpoints/step-3/trainer_state.json").read_text())["max_group_id"]
+
+    actor, out = run(1, 2, "trainer.max_steps=4", "run.resume=true")
+    assert actor == {"cursor": str(max_group + 1), "versions": [3, 4]}, out
+    assert [r["step"] for r in common.read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r][-1] == 4
+
+    push.close()
+
+
+def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
+    import zmq
+    addr = f"tcp://127.0.0.1:{free_port()}"  # nobody binds it
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    state = trainer.TrainState(model=None, fsdp=None)
+    with pytest.raises(SystemExit) as e:
+        trainer.pull_samples(sock, 1, state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64)
+    sock.close()
+    assert addr in str(e.value.code) and "run.peer_timeout_s" in str(e.value.code)

@@ -1,0 +1,626 @@
+"""Trainer: hand-written FSDP over torchrun ranks; pulls samples, packs, steps, sends weights, checkpoints.
+
+Consumes  training samples: ZMQ PULL connected to the verifier at ports.host:ports.samples, one
+          `common.recv(sock, "sample")` message per sequence (prompt_ids, completion_ids, logprobs = the
+          behaviour policy μ per completion token, versions = the policy version that sampled each token,
+          advantage, reward). Each rank pulls its own share, B/W sequences per step (B = trainer.batch_size).
+Produces  (1) weights after every optimizer step (every actor.G_steps steps when actor.schedule=conventional)
+          over the weight group (weights_sync.py; trainer rank 0 is its rank 0), labelled version = optimizer
+          steps taken; (2) checkpoints <run.dir>/checkpoints/step-N: HF safetensors + config + tokenizer,
+          optim-rank{r}.pt, trainer_state.json, COMPLETE; (3) metrics_trainer.jsonl and samples_trainer.jsonl
+          (rank 0's sequences of each step: group ids and per-token versions run-length coded as [version, n]).
+
+Run alone (a verifier must push samples and the actor's vLLM workers must join the weight group):
+    torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
+`python trainer.py` without torchrun runs one rank with no process group (every collective is a no-op).
+
+Hand-written FSDP (DESIGN.md): sharding units = each decoder block of model.model.layers + one root unit
+(embeddings, final norm, lm_head; buffers such as the rotary table stay unsharded on every rank). Each rank
+owns 1/W of every unit's flat fp32 master vector, its gradient and its AdamW moments. See `--- FSDP ---`.
+
+Deliberate simplifications vs. the paper and its released code (DeepSpeed ZeRO-3):
+ 1. Collectives are synchronous: no prefetch of the next unit, no overlap of communication with compute.
+ 2. Gradients are reduce-scattered in fp32 (2x the bytes of bf16 on GPU; exact sums across ranks).
+ 3. Micro-batches are right-padded rows of length-sorted samples, not one packed row with a block-diagonal
+    mask: padding wastes (longest - length) tokens per row (small after sorting), a packed row would pay
+    O(T^2) attention over micro_batch_tokens. trainer.micro_batch_tokens bounds rows x longest (padded).
+ 4. Logits are computed at prompt positions too and masked out (simpler, costs lm_head FLOPs on prompts).
+ 5. Every rank loads the whole HF model into CPU memory once before sharding (no meta-device init).
+ 6. Training stops while weights are broadcast; generation goes on (the in-flight part is the actor's).
+ 7. Checkpoints assume a filesystem shared by all ranks. Resuming with another number of ranks re-cuts the
+    optimizer shards (every rank then reads all optimizer files once) and restarts the RNG streams.
+ 8. samples_trainer.jsonl holds rank 0's share of each step only (1/W of the sequences).
+"""
+import json
+import math
+import os
+import shutil
+import sys
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from itertools import groupby
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+import common
+import loss
+
+# torch 2.13 marks the two collectives FSDP needs as deprecated (their successors don't exist in older torch).
+warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
+LAG_POSITION_BUCKETS = 8  # lag_by_position: completion positions 0..max_tokens-1 cut into this many buckets
+
+
+# --- distributed ----------------------------------------------------------------------------------
+
+def init_distributed(timeout_s: float = 1800.0) -> torch.device:
+    """torchrun env -> the trainer's process group (NCCL on GPU, gloo on CPU) and this rank's device."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def all_reduce(t, op=dist.ReduceOp.SUM):
+    if world() > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def barrier():
+    if world() > 1:
+        dist.barrier()
+
+
+def compute_dtype(cfg, device) -> torch.dtype:
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.model.dtype)
+
+
+# --- FSDP ------------------------------------------------------------------------------------------
+# Forward: a unit's wrapped forward all-gathers its shards into one flat buffer in the compute dtype
+# (`_Gather`), points the modules' parameter attributes at views of it, runs, then drops the views. Tensors
+# autograd saves for backward that live in a gathered buffer are replaced by a handle (`_pack`), so nothing
+# keeps the buffer alive after the unit's forward. Backward: the first op that needs the unit's weights
+# unpacks a handle, which re-gathers the unit (`_unpack`); `_Gather.backward` runs once every weight of the
+# unit has its gradient, frees the re-gathered copy and reduce-scatters the flat gradient into the shard.
+# Collective order: every rank builds the same graph (same model, zero-weight micro-batches have the same
+# structure) and the autograd engine runs ready nodes in a fixed order (highest sequence number first), so
+# all ranks issue the same all-gathers and reduce-scatters in the same order.
+
+class Unit:
+    """One sharding unit: its parameters flattened into an fp32 vector of N elements padded to N_pad, a
+    multiple of W; this rank owns elements [rank*S, (rank+1)*S), S = N_pad/W (`shard`, the master copy)."""
+
+    def __init__(self, entries, device):
+        params, index, self.slots, self.names = [], {}, [], []
+        for name, module, attr in entries:  # a tied tensor (two slots) is stored once
+            p = getattr(module, attr)
+            if id(p) not in index:
+                index[id(p)] = len(params)
+                params.append(p)
+                self.names.append(name)
+            self.slots.append((module, attr, index[id(p)]))
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        self.pad = -self.numel % world()
+        size = (self.numel + self.pad) // world()
+        lo, hi = rank() * size, (rank() + 1) * size
+        flat = torch.cat([p.detach().reshape(-1).float() for p in params] + [torch.zeros(self.pad)])  # [N_pad]
+        # AdamW decays matrices only (not norms, biases): a flat shard mixes both, hence a per-element mask.
+        decay = torch.cat([torch.full((p.numel(),), p.ndim >= 2) for p in params]
+                          + [torch.zeros(self.pad, dtype=torch.bool)])  # [N_pad]
+        self.shard = flat[lo:hi].clone().to(device).requires_grad_(True)  # [S] fp32 master
+        self.decay = decay[lo:hi].to(device)  # [S] bool
+        self.exp_avg = torch.zeros_like(self.shard)  # [S] AdamW first moment
+        self.exp_avg_sq = torch.zeros_like(self.shard)  # [S] AdamW second moment
+        self.regathered = None  # the unit's weights re-gathered for backward, until _Gather.backward
+        for module, attr, _ in self.slots:  # the module's own parameters are gone: the shard is the truth
+            module._parameters.pop(attr, None)
+            setattr(module, attr, None)
+
+
+class _Gather(torch.autograd.Function):
+    """shard [S] fp32 -> the unit's flat weights [N_pad] in the compute dtype. Backward: reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, shard, fsdp, unit):
+        ctx.unit = unit
+        return fsdp.all_gather(shard)  # [N_pad]
+
+    @staticmethod
+    def backward(ctx, grad_full):  # [N_pad]
+        # Ordering: this node needs the gradient of every weight of the unit, so every backward op that
+        # used the weights has run: the re-gathered copy can go.
+        ctx.unit.regathered = None
+        grad = grad_full.float()  # [N_pad] reduce in fp32 (simplification 2)
+        if world() == 1:
+            return grad, None, None
+        shard_grad = torch.empty(grad.numel() // world(), dtype=grad.dtype, device=grad.device)  # [S]
+        # Sync: every rank's gradient of this unit is summed; the result lands in the shard's .grad, where
+        # autograd accumulates it over micro-batches.
+        dist.reduce_scatter_tensor(shard_grad, grad, op=dist.ReduceOp.SUM)
+        return shard_grad, None, None
+
+
+class FSDP:
+    """Shards an HF causal LM (decoder blocks in model.model.layers) in place; see the section comment."""
+
+    def __init__(self, model, device, dtype, activation_checkpointing=False):
+        self.device, self.dtype = device, dtype
+        self.live = {}  # storage address of a gathered forward buffer -> its unit (for _pack)
+        self.live_bytes = self.peak_bytes = 0  # gathered parameter memory, counted until truly freed
+        layers = model.model.layers
+        unit_of = {id(m): i + 1 for i, layer in enumerate(layers) for m in layer.modules()}
+        entries = [[] for _ in range(len(layers) + 1)]  # unit 0 = root (embeddings, final norm, lm_head)
+        for mname, module in model.named_modules():
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    entries[unit_of.get(id(module), 0)].append((f"{mname}.{attr}", module, attr))
+        self.units = [Unit(e, device) for e in entries]
+        model.to(device)  # what is left: buffers (rotary table), unsharded
+        self._wrap(model, self.units[0], ac=False, root=True)
+        for layer, unit in zip(layers, self.units[1:]):
+            self._wrap(layer, unit, ac=activation_checkpointing)
+
+    def _wrap(self, module, unit, ac, root=False):
+        inner = module.forward
+
+        def run(*args, **kwargs):
+            self.gather(unit)  # before any op of the unit: the views and the `live` entry must exist
+            try:
+                return inner(*args, **kwargs)
+            finally:  # also when checkpoint's recomputation stops early by raising inside `inner`
+                self.free(unit)
+
+        def forward(*args, **kwargs):
+            if root:  # the root unit stays gathered for the whole forward (embeddings first, head last)
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    return run(*args, **kwargs)
+            if ac and torch.is_grad_enabled():
+                # Activation checkpointing: the gather happens inside `run`, so backward's recomputation
+                # re-gathers the unit itself (checkpoint's own saved-tensor hooks replace ours in there).
+                return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            return run(*args, **kwargs)
+        module.forward = forward
+
+    def all_gather(self, shard, dtype=None):
+        """shard [S] -> the full flat unit [N_pad] (a new buffer, counted in live_bytes until freed)."""
+        dtype = dtype or self.dtype
+        full = torch.empty(shard.numel() * world(), dtype=dtype, device=shard.device)  # [N_pad]
+        if world() > 1:
+            dist.all_gather_into_tensor(full, shard.detach().to(dtype))  # sync: every rank, same unit
+        else:
+            full.copy_(shard.detach())
+        self.live_bytes += full.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(full, self._released, full.nbytes)  # fires when the last view is gone
+        return full
+
+    def _released(self, nbytes):
+        self.live_bytes -= nbytes
+
+    def gather(self, unit):
+        full = _Gather.apply(unit.shard, self, unit)  # [N_pad]
+        pieces = full.split(unit.numels + [unit.pad])
+        for module, attr, i in unit.slots:
+            setattr(module, attr, pieces[i].view(unit.shapes[i]))
+        self.live[full.untyped_storage().data_ptr()] = unit
+
+    def free(self, unit):
+        # After the unit's forward only handles refer to the buffer, so dropping the views frees it.
+        for module, attr, _ in unit.slots:
+            setattr(module, attr, None)
+        self.live = {k: u for k, u in self.live.items() if u is not unit}
+
+    def _pack(self, t):
+        unit = self.live.get(t.untyped_storage().data_ptr()) if t.dtype == self.dtype else None
+        return t if unit is None else (unit, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, packed):
+        if not isinstance(packed, tuple):
+            return packed
+        unit, size, stride, offset = packed
+        if unit.regathered is None:  # the first backward op of this unit: gather it again
+            unit.regathered = self.all_gather(unit.shard)
+        return unit.regathered.as_strided(size, stride, offset)
+
+    @torch.no_grad()
+    def clip_and_step(self, step, lr, betas, eps, weight_decay, max_norm) -> float:
+        """Clip by the global gradient norm, then AdamW (torch's formula) on this rank's shards. -> norm."""
+        sq = torch.stack([u.shard.grad.pow(2).sum() for u in self.units]).sum()  # this rank's Σ g²
+        norm = all_reduce(sq).sqrt().item()  # sync: the norm over all shards of all units
+        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0  # as torch's clip_grad_norm_
+        b1, b2 = betas
+        for u in self.units:
+            p, g, m, v = u.shard, u.shard.grad.mul_(coef), u.exp_avg, u.exp_avg_sq  # [S] each
+            if weight_decay:
+                p.mul_(1 - lr * weight_decay * u.decay)  # decoupled decay, matrices only
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
+            u.shard.grad = None
+        return norm
+
+    def full_units(self, dtype):
+        """Yields {hf_name: full tensor} one unit at a time. Every rank must consume it: one all-gather each."""
+        for u in self.units:
+            with torch.no_grad():
+                full = self.all_gather(u.shard, dtype)  # [N_pad]
+            yield {n: t.view(s) for n, t, s in zip(u.names, full[:u.numel].split(u.numels), u.shapes)}
+
+    def manifest(self, dtype):
+        return [(n, tuple(s), dtype) for u in self.units for n, s in zip(u.names, u.shapes)]
+
+    def state_dict(self):
+        return {"world": world(), "units": [{"shard": u.shard.detach().cpu(), "exp_avg": u.exp_avg.cpu(),
+                                             "exp_avg_sq": u.exp_avg_sq.cpu()} for u in self.units]}
+
+    def load_state_dict(self, sds):
+        """sds: the optimizer files of a checkpoint in rank order: this rank's alone when it was written by
+        as many ranks as now, else all of them, re-cut into this world's shards."""
+        with torch.no_grad():
+            for i, u in enumerate(self.units):
+                for k in ("shard", "exp_avg", "exp_avg_sq"):
+                    if sds[0]["world"] == world():
+                        getattr(u, k).copy_(sds[0]["units"][i][k])
+                        continue
+                    full = torch.cat([sd["units"][i][k] for sd in sds])[:u.numel]  # [N] without the old padding
+                    size = u.shard.numel()
+                    getattr(u, k).copy_(torch.cat([full, torch.zeros(u.pad)])[rank() * size:(rank() + 1) * size])
+
+
+# --- state and batches ---------------------------------------------------------------------------------
+
+@dataclass
+class TrainState:
+    model: torch.nn.Module
+    fsdp: FSDP
+    step: int = 0  # optimizer steps taken = version of the current weights
+    max_group_id: int = -1  # largest group_id trained on, all ranks (the actor resumes after it)
+    samples: int = 0  # sequences trained on, all ranks
+    malformed: int = 0  # malformed messages this rank dropped
+
+
+def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
+    """Load the HF model (init_from, model.path, or a checkpoint directory) unless given; shard it; on
+    resume also restore this rank's optimizer shard and the counters."""
+    if model is None:
+        from transformers import AutoModelForCausalLM
+        src = ckpt or cfg.trainer.init_from or cfg.model_path
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.config.use_cache = False
+    model.train()
+    state = TrainState(model, FSDP(model, device, compute_dtype(cfg, device), cfg.trainer.activation_checkpointing))
+    if ckpt is not None:
+        meta = json.loads((Path(ckpt) / "trainer_state.json").read_text())
+        ranks = [rank()] if meta["world_size"] == world() else range(meta["world_size"])
+        sds = [torch.load(Path(ckpt) / f"optim-rank{r}.pt", weights_only=True) for r in ranks]
+        state.fsdp.load_state_dict(sds)
+        if meta["world_size"] == world():  # same ranks: each continues its own random stream
+            torch.set_rng_state(sds[0]["rng_cpu"])
+            if device.type == "cuda":
+                torch.cuda.set_rng_state(sds[0]["rng_cuda"])
+        state.step, state.max_group_id, state.samples = meta["step"], meta["max_group_id"], meta["samples"]
+    return state
+
+
+def pack_micro_batches(samples, micro_batch_tokens):
+    """Length-sorted greedy packing into micro-batches with rows x longest <= micro_batch_tokens (a longer
+    sample gets a micro-batch of its own). Sorting keeps the padding of each row small (simplification 3)."""
+    batches = []
+    for s in sorted(samples, key=lambda s: -(len(s["prompt_ids"]) + len(s["completion_ids"]))):
+        longest = len(batches[-1][0]["prompt_ids"]) + len(batches[-1][0]["completion_ids"]) if batches else 0
+        if batches and (len(batches[-1]) + 1) * longest <= micro_batch_tokens:
+            batches[-1].append(s)
+        else:
+            batches.append([s])
+    return batches
+
+
+def collate(samples, version, device):
+    """Right-padded rows. Logits at position t predict token t+1, so completion token j of a sample with a
+    P-token prompt sits at shifted column P-1+j. No samples -> a zero-weight micro-batch (mask all false).
+    Right padding needs no attention mask: with causal attention no real token sees a pad."""
+    rows = max(len(samples), 1)
+    T = max([len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples], default=2)
+    input_ids = torch.zeros(rows, T, dtype=torch.long)  # [B,T]
+    old_logprobs = torch.zeros(rows, T - 1)  # [B,T-1] μ of token t+1
+    mask = torch.zeros(rows, T - 1, dtype=torch.bool)  # [B,T-1] completion tokens only
+    lags = torch.zeros(rows, T - 1, dtype=torch.long)  # [B,T-1] version - versions[t]
+    advantages = torch.zeros(rows)  # [B]
+    for i, s in enumerate(samples):
+        P, C = len(s["prompt_ids"]), len(s["completion_ids"])
+        ids = np.concatenate([s["prompt_ids"], s["completion_ids"]]).astype(np.int64)  # [T_i]
+        input_ids[i, :P + C] = torch.from_numpy(ids)
+        cols = slice(P - 1, P - 1 + C)
+        old_logprobs[i, cols] = torch.from_numpy(s["logprobs"].astype(np.float32))
+        mask[i, cols] = True
+        lags[i, cols] = version - torch.from_numpy(s["versions"].astype(np.int64))
+        advantages[i] = float(s["advantage"])
+    out = dict(input_ids=input_ids, targets=input_ids[:, 1:], old_logprobs=old_logprobs, mask=mask, lags=lags,
+               advantages=advantages)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+# --- train step --------------------------------------------------------------------------------------------
+
+def train_step(state: TrainState, samples, cfg) -> dict:
+    """One optimizer step on this rank's share of the batch (B/W sample dicts: a sample message's header
+    fields and arrays). Every rank calls it together; the returned metrics are summed over ranks."""
+    t0 = time.time()
+    tc, device, f64 = cfg.trainer, state.fsdp.device, torch.float64
+    version = state.step  # the policy being trained; this step produces version + 1
+    num_sequences = tc.batch_size  # loss normalizer: sequences in this optimizer step, all micro-batches, all ranks
+    batches = pack_micro_batches(samples, tc.micro_batch_tokens)
+    # Sync: every micro-batch is a fixed sequence of collectives, so all ranks run as many as the busiest
+    # one; the others add zero-weight micro-batches (mask all false: zero loss, zero gradient).
+    n_mb = int(all_reduce(torch.tensor([len(batches)], device=device), dist.ReduceOp.MAX).item())
+    batches += [[] for _ in range(n_mb - len(batches))]
+    sums = {}
+    for mb in batches:
+        x = collate(mb, version, device)
+        logits = state.model(input_ids=x["input_ids"], use_cache=False).logits[:, :-1]  # [B,T-1,V]
+        logprobs = loss.token_logprobs(logits, x["targets"], cfg.actor.temperature)  # [B,T-1]
+        with torch.no_grad():
+            entropy = loss.entropy_from_logits(logits, cfg.actor.temperature)  # [B,T-1]
+        mb_loss, stats = loss.policy_loss(logprobs, x["old_logprobs"], x["advantages"], x["mask"], num_sequences,
+                                          is_clamp=tc.is_clamp, entropy=entropy, lags=x["lags"])
+        mb_loss.backward()  # reduce-scatters each unit's gradient into its shard, accumulating over micro-batches
+        stats["loss"] = mb_loss.detach().to(f64)
+        for k, v in stats.items():
+            sums[k] = sums[k] + v if k in sums else v
+    grad_norm = state.fsdp.clip_and_step(state.step + 1, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.grad_clip)
+    state.step += 1
+    train_s = time.time() - t0
+
+    # Token lags (version - versions[t]) by completion position, for paper Fig. 3a: P position buckets.
+    P = LAG_POSITION_BUCKETS
+    lags = [version - s["versions"].astype(np.int64) for s in samples]  # per sample [C]
+    pos = [np.minimum(np.arange(len(lag)) * P // cfg.actor.max_tokens, P - 1) for lag in lags]  # per sample [C]
+    lags, pos = (np.concatenate(x + [np.zeros(0, np.int64)]) for x in (lags, pos))  # [N_tok] each
+    host = {"sequences": len(samples), "reward_sum": sum(float(s["reward"]) for s in samples),
+            "all_tokens": sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
+            "malformed": state.malformed, "lag_sum": lags.sum(),
+            "pos_lag_sum": np.bincount(pos, weights=lags, minlength=P), "pos_tokens": np.bincount(pos, minlength=P)}
+    # Sync: one all-reduce for every summed statistic, one for the maxima.
+    sums.update({k: torch.tensor(v, dtype=f64, device=device) for k, v in host.items()})
+    keys = sorted(sums)
+    flat = all_reduce(torch.cat([sums[k].reshape(-1) for k in keys]))
+    s = dict(zip(keys, (t.tolist() if sums[k].dim() else t.item() for k, t in
+                        zip(keys, flat.split([sums[k].numel() for k in keys])))))
+    max_group = max([int(x["group_id"]) for x in samples], default=-1)
+    hi = all_reduce(torch.tensor([lags.max(initial=-10**9), -lags.min(initial=10**9), max_group], dtype=f64,
+                                 device=device), dist.ReduceOp.MAX).tolist()
+    state.max_group_id = max(state.max_group_id, int(hi[2]))
+    state.samples += int(s["sequences"])
+
+    tok = max(s["tokens"], 1.0)
+    metrics = {"loss": s["loss"], "grad_norm": grad_norm,
+               "ess": loss.ess(s["ratio_sum"], s["ratio_sq_sum"], s["tokens"]),  # paper eq. 6
+               "clamp_frac": s["clamped_tokens"] / tok, "kl": s["kl_sum"] / tok, "entropy": s["entropy_sum"] / tok,
+               "lag_min": -hi[1] if s["tokens"] else 0.0, "lag_mean": s["lag_sum"] / tok,
+               "lag_max": hi[0] if s["tokens"] else 0.0, "reward_mean": s["reward_sum"] / max(s["sequences"], 1),
+               "tokens": s["tokens"], "tokens_per_s": s["all_tokens"] / train_s, "train_s": train_s,
+               "micro_batches": n_mb, "malformed": s["malformed"]}
+    for i, label in enumerate(loss.LAG_BUCKET_LABELS):  # paper Fig. 7: off-policyness by lag
+        n = s["bucket_tokens"][i]
+        if n:  # an absent bucket had no tokens
+            metrics[f"tokens_lag_{label}"] = n
+            metrics[f"kl_lag_{label}"] = s["bucket_kl_sum"][i] / n
+            metrics[f"ess_lag_{label}"] = loss.ess(s["bucket_ratio_sum"][i], s["bucket_ratio_sq_sum"][i], n)
+            metrics[f"clamp_lag_{label}"] = s["bucket_clamped"][i] / n
+    # paper Fig. 3a: mean lag by completion position (bucket p covers positions [p, p+1) * max_tokens / P)
+    metrics["lag_by_position"] = [round(ls / n, 3) if n else None for ls, n in zip(s["pos_lag_sum"], s["pos_tokens"])]
+    return metrics
+
+
+# --- weights and checkpoints ----------------------------------------------------------------------------------
+
+def send_weights(state, sender, version) -> float:
+    """All ranks gather each unit in turn; rank 0 alone broadcasts it to the actor. -> seconds."""
+    t0 = time.time()
+    named = ((n, t) for unit in state.fsdp.full_units(state.fsdp.dtype) for n, t in unit.items())
+    if sender is not None:
+        sender.send(version, named, state.fsdp.manifest(state.fsdp.dtype))
+    else:
+        for _ in named:  # the other ranks' part of each unit's all-gather
+            pass
+    return time.time() - t0
+
+
+def _fsync(path):  # files and directories alike
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def latest_checkpoint(root):
+    """Newest `step-N` directory holding its COMPLETE marker; `.tmp-*` and unmarked ones (a killed writer)
+    are ignored."""
+    done = [d for d in Path(root).glob("step-*") if d.name[5:].isdigit() and (d / "COMPLETE").is_file()]
+    return max(done, key=lambda d: int(d.name[5:]), default=None)
+
+
+def save_checkpoint(state, cfg, tokenizer=None) -> Path:
+    """Atomic: everything goes into .tmp-step-N; COMPLETE is written last, then the directory is renamed."""
+    from safetensors.torch import save_file
+    root = cfg.run_dir / "checkpoints"
+    final, tmp = root / f"step-{state.step}", root / f".tmp-step-{state.step}"
+    if is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()  # sync: the directory exists before any rank writes into it
+    rng = {"rng_cpu": torch.get_rng_state()}
+    if state.fsdp.device.type == "cuda":
+        rng["rng_cuda"] = torch.cuda.get_rng_state()
+    torch.save({**state.fsdp.state_dict(), **rng, "step": state.step}, tmp / f"optim-rank{rank()}.pt")
+    _fsync(tmp / f"optim-rank{rank()}.pt")
+    # The model: HF sharded safetensors, one file per unit, gathered one unit at a time (all ranks join).
+    n_units, weight_map, total = len(state.fsdp.units), {}, 0
+    for i, tensors in enumerate(state.fsdp.full_units(torch.float32)):
+        if is_main():
+            fname = f"model-{i + 1:05d}-of-{n_units:05d}.safetensors"
+            save_file({n: t.detach().cpu().clone() for n, t in tensors.items()}, tmp / fname, metadata={"format": "pt"})
+            weight_map.update({n: fname for n in tensors})
+            total += sum(t.nbytes for t in tensors.values())
+    if is_main():
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        state.model.config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / "trainer_state.json").write_text(json.dumps(
+            {"step": state.step, "version": state.step, "max_group_id": state.max_group_id,
+             "samples": state.samples, "world_size": world(), "time": time.time()}))
+    barrier()  # sync: every rank's optimizer shard is on disk before COMPLETE
+    if is_main():
+        for f in tmp.iterdir():
+            _fsync(f)
+        (tmp / "COMPLETE").write_text("ok\n")
+        _fsync(tmp / "COMPLETE")
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync(root)
+        done = sorted((d for d in root.glob("step-*") if (d / "COMPLETE").is_file()), key=lambda d: int(d.name[5:]))
+        for d in done[:-cfg.trainer.keep_checkpoints]:
+            shutil.rmtree(d, ignore_errors=True)
+    barrier()  # sync: nobody reads checkpoints or exits before the rename
+    return final
+
+
+# --- samples ---------------------------------------------------------------------------------------------------
+
+def pull_samples(sock, n, state, cfg, addr, vocab_size):
+    """Block until this rank holds n samples. -> (samples, seconds waited). Malformed ones are counted."""
+    out, waited, last = [], 0.0, time.time()
+    while len(out) < n:
+        t0 = time.time()
+        ready = sock.poll(1000)
+        waited += time.time() - t0
+        if not ready:
+            if time.time() - last > cfg.run.peer_timeout_s:
+                sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
+                         f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s): is verifier.py running?")
+            continue
+        last = time.time()
+        try:
+            header, arrays = common.recv(sock, "sample")
+            ids = np.concatenate([arrays["prompt_ids"], arrays["completion_ids"]])
+            if len(arrays["prompt_ids"]) == 0 or ids.min(initial=0) < 0 or ids.max(initial=0) >= vocab_size:
+                raise common.WireError("empty prompt or token id outside the vocabulary")
+        except common.WireError as e:
+            state.malformed += 1
+            print(f"[trainer] rank {rank()}: dropped a malformed sample ({e})", flush=True)
+            continue
+        out.append({**header, **arrays})
+    return out, waited
+
+
+# --- main ------------------------------------------------------------------------------------------------------
+
+def main():
+    cfg = common.parse_argv()
+    # --- distributed init ---
+    device = init_distributed(timeout_s=max(cfg.run.peer_timeout_s, cfg.sync.timeout_s) + 60)
+    if device.type == "cpu":  # one thread per core: oversubscription is the CPU demo's enemy (DESIGN.md)
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    torch.manual_seed(cfg.run.seed + rank())
+    if is_main():
+        common.write_run_info(cfg, "trainer")
+        common.setup_logging(cfg, "trainer")
+
+    # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
+    ckpt = latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
+    state = build_state(cfg, device, ckpt)
+    tokenizer = None
+    if is_main():
+        print(f"[trainer] {world()} rank(s) on {device}, {sum(u.numel for u in state.fsdp.units) / 1e6:.2f}M params, "
+              f"{'resumed from ' + str(ckpt) if ckpt else 'fresh from ' + (cfg.trainer.init_from or cfg.model_path)}",
+              flush=True)
+        try:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(ckpt or cfg.trainer.init_from or cfg.model_path)
+        except (OSError, ValueError, TypeError):  # a model directory without a tokenizer: checkpoints get none
+            pass
+
+    # --- weight group: trainer rank 0 + every vLLM worker; version 0 (or the checkpoint's) goes out first ---
+    sender = None
+    if is_main() and cfg.weight_world > 1:
+        import weights_sync
+        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, True, cfg.sync.timeout_s)
+        store.set("cursor", str(state.max_group_id + 1))  # the actor's first prompt: after the last trained group
+        pg = weights_sync.init_group(store, 0, cfg.weight_world, "nccl" if device.type == "cuda" else "gloo",
+                                     cfg.sync.timeout_s)
+        sender = weights_sync.WeightSender(store, pg, cfg.sync.bucket_mb)
+    send_weights(state, sender, state.step)
+
+    # --- samples: each rank pulls its own share from the verifier ---
+    import zmq
+    addr = common.zmq_addr(cfg.ports.host, cfg.ports.samples)
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    share = cfg.trainer.batch_size // world()
+    vocab_size = state.model.config.vocab_size
+    t_start = t_prev = time.time()
+
+    # --- training loop: pull, step, send weights, log, checkpoint ---
+    while state.step < cfg.trainer.max_steps:
+        samples, wait_s = pull_samples(sock, share, state, cfg, addr, vocab_size)
+        trained_version = state.step
+        metrics = train_step(state, samples, cfg)
+        broadcast_s = 0.0
+        if state.step % cfg.actor.G_steps == 0:  # conventional RL: new weights once per G_steps optimizer steps
+            broadcast_s = send_weights(state, sender, state.step)
+        now = time.time()
+        metrics.update(wait_s=wait_s, broadcast_s=broadcast_s, samples_per_s=cfg.trainer.batch_size / (now - t_prev),
+                       samples_total=state.samples)
+        t_prev = now
+        if is_main():
+            if state.step % max(1, int(cfg.run.log_every)) == 0:
+                common.log("trainer", metrics, state.step)
+            with open(cfg.run_dir / "samples_trainer.jsonl", "a") as f:
+                f.write(json.dumps({"step": state.step, "trainer_version": trained_version,
+                                    "group_ids": [int(s["group_id"]) for s in samples],
+                                    "version_runs": [[[v, len(list(g))] for v, g in groupby(s["versions"].tolist())]
+                                                     for s in samples]}) + "\n")
+        if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
+            save_checkpoint(state, cfg, tokenizer)
+
+    # --- end: final checkpoint (unless the last step just wrote it) and summary ---
+    if not (cfg.run_dir / "checkpoints" / f"step-{state.step}" / "COMPLETE").is_file():
+        save_checkpoint(state, cfg, tokenizer)
+    if is_main():
+        common.log("trainer", {"done": 1, "steps": state.step, "samples_total": state.samples,
+                               "wall_s": time.time() - t_start, "malformed": state.malformed}, state.step)
+    sock.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
