@@ -549,6 +549,8 @@ def progress(run_dir: str, poll_s: float = 1.0):
         if evals:
             test = f"{evals[-1]['test_reward']:.3f} (v{evals[-1]['version']})"
         for r in recs[seen:]:
+            if "trainer/done" in r:
+                continue
             t0 = t0 or r["time"] - r.get("trainer/elapsed_s", 0)
             g = lambda k, f="{:.3g}": f.format(r[k]) if k in r else "-"  # noqa: E731
             print(f"step {r['step']:>4} | reward {g('trainer/reward_mean', '{:.3f}')} | test {test} | "

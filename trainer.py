@@ -589,8 +589,17 @@ def main():
     t_start = t_prev = time.time()
 
     # --- training loop: pull, step, send weights, log, checkpoint ---
+    batches = []  # this rank's shares of the optimizer steps whose samples are already here
     while state.step < cfg.trainer.max_steps:
-        samples, wait_s = pull_samples(sock, share, state, cfg, addr, vocab_size)
+        if not batches:
+            # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL step with one
+            # policy before its first optimizer step; PipelineRL (G_steps=1) steps as soon as B are here.
+            steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
+            pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr, vocab_size)
+            batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
+        else:
+            wait_s = 0.0
+        samples = batches.pop(0)
         trained_version = state.step
         metrics = train_step(state, samples, cfg)
         broadcast_s = 0.0
@@ -614,6 +623,8 @@ def main():
     # --- end: final checkpoint (unless the last step just wrote it) and summary ---
     if not (cfg.run_dir / "checkpoints" / f"step-{state.step}" / "COMPLETE").is_file():
         save_checkpoint(state, cfg, tokenizer)
+    if sender is not None:
+        sender.store.set("done", "1")  # the actor polls this and exits 0 (run.sh then ends the run)
     if is_main():
         common.log("trainer", {"done": 1, "steps": state.step, "samples_total": state.samples,
                                "wall_s": time.time() - t_start, "malformed": state.malformed}, state.step)

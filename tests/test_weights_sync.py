@@ -1,0 +1,170 @@
+"""weights_sync.py with plain gloo processes (no vLLM): layout, bucketed broadcast, header, manifest checks.
+
+Run: .venv/bin/python -m pytest -q tests/test_weights_sync.py      (~15 s on 2 cores)
+"""
+import json
+import multiprocessing as mp
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import weights_sync as ws  # noqa: E402
+from conftest import free_port  # noqa: E402
+
+BUCKET_MB = 16 / 1024  # 16 KiB buckets: many buckets, and the 40 KB tensor gets its own
+
+
+def _tensors(version):
+    """Mixed dtypes and shapes, incl. a 0-d tensor and one larger than a bucket; values depend on version."""
+    g = torch.Generator().manual_seed(version)
+    return [("embed.weight", torch.randn(10_000, generator=g)),  # 40 KB > one 16 KiB bucket
+            ("a.weight", torch.randn(3, 5, generator=g)),
+            ("b.weight", torch.randn(257, 3, generator=g).to(torch.bfloat16)),
+            ("c.scale", torch.randn((), generator=g).to(torch.float16)),
+            ("d.ids", torch.randint(0, 1000, (2, 7), generator=g)),
+            ("e.weight", torch.randn(1500, generator=g)),
+            ("lm_head.weight", torch.randn(16, 16, generator=g).to(torch.bfloat16))]
+
+
+def _manifest(tensors):
+    return [(n, tuple(t.shape), t.dtype) for n, t in tensors]
+
+
+def _reusing_iterator(tensors):
+    """Like a trainer that double-buffers its gathers: tensor i's storage is overwritten by yield i+2
+    (the sender's contract: a yielded tensor survives the next yield)."""
+    size = max(t.numel() * t.element_size() for _, t in tensors)
+    scratch = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
+    for i, (name, t) in enumerate(tensors):
+        buf = scratch[i % 2]
+        buf.fill_(0xFF)  # overwrite what was yielded two steps ago
+        view = buf[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        yield name, view
+
+
+def _run_rank(rank, world, port, scenario, q):
+    try:
+        torch.set_num_threads(1)
+        store = ws.create_store("127.0.0.1", port, rank == 0, 30)
+        pg = ws.init_group(store, rank, world, "gloo", 30)
+        if rank == 0:
+            sender = ws.WeightSender(store, pg, BUCKET_MB)
+            for v in (3, 4):
+                tensors = _tensors(v)
+                sender.send(v, _reusing_iterator(tensors), _manifest(tensors))
+            q.put((rank, "ok"))
+            return
+        if scenario == "roundtrip":
+            out = []
+            for v in (3, 4):
+                version, got = ws.receive(pg, _manifest(_tensors(0)))
+                out.append((version, {n: (t.dtype, bool(torch.equal(t, ref))) for (n, ref), t in
+                                      zip(_tensors(v), got.values())}, list(got)))
+            q.put((rank, out))
+        elif scenario == "header":
+            n = torch.zeros(1, dtype=torch.int64)
+            pg.broadcast(n, 0).wait()
+            raw = torch.empty(int(n.item()), dtype=torch.uint8)
+            pg.broadcast(raw, 0).wait()
+            header = json.loads(bytes(raw.numpy()).decode("utf-8"))
+            ws.drain(pg, header)
+            version, _ = ws.receive(pg)
+            q.put((rank, (bytes(raw.numpy()[:1]), header, version)))
+        elif scenario == "mismatch":
+            bad = _manifest(_tensors(0))
+            bad[1] = ("a.weight", (5, 3), torch.float32)
+            bad[2] = ("b.renamed", (257, 3), torch.bfloat16)
+            try:
+                ws.receive(pg, bad)
+                err = None
+            except ws.ManifestError as e:
+                err = str(e)
+            version, got = ws.receive(pg, _manifest(_tensors(0)))  # the group is still in step
+            q.put((rank, (err, version, torch.equal(got["e.weight"], _tensors(4)[5][1]))))
+    except Exception:  # pragma: no cover - reported to the test
+        q.put((rank, traceback.format_exc()))
+
+
+def _spawn(scenario, world=3):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_run_rank, args=(r, world, port, scenario, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    for r, res in results.items():
+        assert not (isinstance(res, str) and "Traceback" in res), f"rank {r}:\n{res}"
+    return results
+
+
+def test_bucket_layout():
+    tensors = _tensors(0)
+    entries, sizes = ws.bucket_layout(_manifest(tensors), int(BUCKET_MB * 2**20))
+    assert entries[0]["bucket"] == 0 and sizes[0] == 40_000  # larger than a bucket: its own
+    assert [e["own"] for e in entries] == [True, False, False, False, False, True, False]  # >= 1/8 bucket
+    assert all(e["offset"] % 64 == 0 for e in entries)
+    assert all(sizes[e["bucket"]] >= e["offset"] + e["nbytes"] for e in entries)
+    assert all(s <= 16 * 1024 for i, s in enumerate(sizes) if i > 0)
+    assert len(sizes) < len(entries)  # small tensors share buckets: not one collective per tensor
+    assert [e["bucket"] for e in entries] == sorted(e["bucket"] for e in entries)
+
+
+def test_bucketed_roundtrip_two_receivers():
+    results = _spawn("roundtrip")
+    assert results[0] == "ok"
+    for rank in (1, 2):
+        for (version, checks, names), v in zip(results[rank], (3, 4)):
+            assert version == v
+            assert names == [n for n, _ in _tensors(0)]
+            assert all(equal for _, equal in checks.values()), checks
+            assert checks["b.weight"][0] == torch.bfloat16 and checks["d.ids"][0] == torch.int64
+
+
+def test_header_is_json_not_pickle():
+    results = _spawn("header", world=2)
+    first_byte, header, next_version = results[1]
+    assert first_byte == b"{"  # JSON object; a pickle would start with b"\x80"
+    assert header["version"] == 3 and next_version == 4
+    assert [t["name"] for t in header["tensors"]] == [n for n, _ in _tensors(3)]
+    assert {"bucket", "offset", "shape", "dtype"} <= set(header["tensors"][0])
+    assert sum(header["buckets"]) >= sum(t.numel() * t.element_size() for _, t in _tensors(3))
+
+
+def test_manifest_mismatch_names_tensors_and_keeps_group_in_step():
+    results = _spawn("mismatch", world=2)
+    err, version, equal = results[1]
+    assert err is not None and "a.weight" in err and "b.renamed" in err and "b.weight" in err
+    assert "shape [3, 5]" in err
+    assert version == 4 and equal
+
+
+def test_sender_checks_iterator_against_manifest():
+    store = ws.create_store("127.0.0.1", free_port(), True, 10)
+    pg = ws.init_group(store, 0, 1, "gloo", 10)  # a one-rank group: broadcasts are local
+    assert ws.announced_version(store) is None
+    tensors = _tensors(0)
+    sender = ws.WeightSender(store, pg, BUCKET_MB)
+    sender.send(7, iter(tensors), _manifest(tensors))
+    assert ws.announced_version(store) == 7
+    swapped = [tensors[1], tensors[0]] + tensors[2:]
+    with pytest.raises(ws.ManifestError, match="a.weight"):
+        sender.send(8, iter(swapped), _manifest(tensors))
+    with pytest.raises(ws.ManifestError, match="more tensors"):
+        sender.send(9, iter(tensors + tensors[:1]), _manifest(tensors))
+
+
+def test_tied_embeddings_rejected_at_init():
+    """vLLM keeps a tied lm_head stale after reload_weights (DESIGN.md): refuse before joining the group."""
+    from types import SimpleNamespace
+    worker = SimpleNamespace(model_config=SimpleNamespace(
+        model="some/tied-model", hf_config=SimpleNamespace(tie_word_embeddings=True)))
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        ws.WeightUpdateExtension.init_weight_group(worker, "127.0.0.1", 1, 2, 1, "gloo", 1)
