@@ -270,6 +270,7 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
         if time.time() - last_done_check > 0.1:
             last_done_check = time.time()
             if store.check(["done"]):  # the trainer finished its last step: a normal end
+                store.add("done_ack", 1)  # the trainer keeps its store up until every actor has seen this
                 break
         eval_done = eval_task is None or eval_task.done()
         ready = cfg.actor.schedule == "pipeline" or st.inflight == 0  # conventional: between batches

@@ -624,7 +624,10 @@ def main():
     if not (cfg.run_dir / "checkpoints" / f"step-{state.step}" / "COMPLETE").is_file():
         save_checkpoint(state, cfg, tokenizer)
     if sender is not None:
-        sender.store.set("done", "1")  # the actor polls this and exits 0 (run.sh then ends the run)
+        sender.store.set("done", "1")  # the actors poll this and exit 0 (run.sh then ends the run)
+        deadline = time.time() + 30   # this process hosts the store: keep it up until they have seen it
+        while sender.store.add("done_ack", 0) < cfg.actor_procs and time.time() < deadline:
+            time.sleep(0.1)
     if is_main():
         common.log("trainer", {"done": 1, "steps": state.step, "samples_total": state.samples,
                                "wall_s": time.time() - t_start, "malformed": state.malformed}, state.step)
