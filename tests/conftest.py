@@ -21,6 +21,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def vllm_greedy(model_dir, prompt_ids, max_tokens=16, timeout=600):
+    """Greedy token ids from real vLLM (a subprocess: vLLM spawns workers and keeps global state)."""
+    import json
+    import subprocess
+    code = f"""
+import json, os
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model={str(model_dir)!r}, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+              max_model_len=128, max_num_seqs=4)
+    sp = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
+    outs = llm.generate([{{"prompt_token_ids": ids}} for ids in {prompt_ids!r}], sp)
+    print("RESULT" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(line[0][6:])
+
+
+def hf_greedy(model_dir, prompt_ids, max_tokens=16):
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    for ids in prompt_ids:
+        x = torch.tensor([ids])
+        y = model.generate(x, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+        out.append(y[0, x.shape[1]:].tolist())
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-init tiny Qwen2 + the char tokenizer, built in seconds."""

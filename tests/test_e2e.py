@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import common
-from conftest import REPO, free_port
+from conftest import REPO, free_port, hf_greedy, vllm_greedy
 
 MAX_LAG = 2
 
@@ -98,6 +98,10 @@ def test_e2e_single_node(tiny_model_dir, tmp_path):
     check_run_dir(run_dir)
     assert trainer_steps(run_dir)[-1] == 4
     assert common.read_jsonl(run_dir / "eval.jsonl"), "no test evaluation recorded"
+    # the trained checkpoint also loads in vLLM and generates what HF generates
+    ckpt = max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    prompts = [[49, 50, 43, 51, 52, 61, 10], [57, 43, 57, 61, 10]]  # "12+34=\n", "9+9=\n" as bytes
+    assert vllm_greedy(ckpt, prompts, 8) == hf_greedy(ckpt, prompts, 8)
 
 
 def test_bad_config_fails_before_starting(tmp_path):
@@ -183,3 +187,7 @@ def test_readme_paths_exist():
     assert len(paths) >= 8
     missing = [p for p in paths if not (REPO / p).exists() and not p.startswith(("runs/", "assets/"))]
     assert not missing, missing
+    # the role table's line counts stay honest (within 10%)
+    for name, lines in re.findall(r"\| `(\w+\.py)` \| (\d+) \|", text):
+        actual = sum(1 for _ in open(REPO / name))
+        assert abs(actual - int(lines)) <= 0.1 * actual, (name, lines, actual)
