@@ -91,6 +91,23 @@ def test_run_info_and_metrics(tmp_path):
     assert rec["step"] == 7 and rec["actor/tokens_per_s"] == 12.5 and rec["actor/lag_max"] == 3
 
 
+def test_wandb_offline_mirror(tmp_path, monkeypatch):
+    """run.wandb=true mirrors every logged record to Weights & Biases (offline mode: no network)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = common.load_config([f"run.dir={tmp_path}", "run.wandb=true"])
+    common.setup_logging(cfg, "verifier")
+    run = common._log_state["verifier"]["wandb"]
+    assert run is not None
+    common.log("verifier", {"reward_mean": 0.625, "queue_depth": 3}, step=1)
+    run.finish()
+    files = list(tmp_path.glob("wandb/offline-run-*/*.wandb"))
+    assert len(files) == 1
+    blob = files[0].read_bytes()
+    assert b"verifier/reward_mean" in blob and b"0.625" in blob and b"verifier/queue_depth" in blob
+    assert common.read_jsonl(tmp_path / "metrics_verifier.jsonl")[-1]["verifier/reward_mean"] == 0.625
+
+
 # --- wire format --------------------------------------------------------------------------------------
 
 def _rollout(n=5):
