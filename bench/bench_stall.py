@@ -27,8 +27,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import actor  # noqa: E402
+from bench_weights import engine_sender  # noqa: E402
 import common  # noqa: E402
-import weights_sync as ws  # noqa: E402
 
 MODELS = {"tiny": {}, "30m": dict(hidden=512, layers=10, heads=8, kv_heads=4, intermediate=1536, max_pos=512)}
 PROMPTS = ["12+34=\n", "7+8=\n", "305+96=\n", "1+1=\n"]
@@ -60,16 +60,10 @@ async def run(args, model_dir, tmp):
                               f"actor.max_inflight={args.requests}", f"actor.max_tokens={args.tokens}",
                               f"actor.cpu_cores={args.cpu_cores}"])
     engine = actor.start_engines(cfg)[0]
-    store = ws.create_store("127.0.0.1", 0, True, 120)
-    box = {}
-    th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 120)))
-    th.start()
-    await engine.collective_rpc("init_weight_group", args=("127.0.0.1", store.port, 2, 1, "gloo", 120))
-    th.join()
     from safetensors.torch import load_file
     sd = load_file(os.path.join(model_dir, "model.safetensors"))
     manifest = [(n, tuple(t.shape), t.dtype) for n, t in sd.items()]
-    sender = ws.WeightSender(store, box["pg"], cfg.sync.bucket_mb)
+    sender = await engine_sender(engine, cfg.sync.bucket_mb)
     send_s, versions = [], iter(range(1 << 30))
 
     async def update():

@@ -106,6 +106,17 @@ def bench_wire(model_dir, bucket_mb, reps):
     return nbytes, len(sizes), {m: sorted(ts)[len(ts) // 2] for m, ts in times.items()}
 
 
+async def engine_sender(engine, bucket_mb):
+    """A weight group of two: trainer rank 0 in this process, the engine's one worker as rank 1."""
+    store = ws.create_store("127.0.0.1", 0, True, 120)
+    box = {}
+    th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 120)))
+    th.start()  # init_group blocks until the worker joins, which the RPC below makes happen
+    await engine.collective_rpc("init_weight_group", args=("127.0.0.1", store.port, 2, 1, "gloo", 120))
+    th.join()
+    return ws.WeightSender(store, box["pg"], bucket_mb)
+
+
 def bench_vllm(model_dir, bucket_mb, reps):
     """The same send into a vLLM engine's worker: wire time vs load (reload_weights) time."""
     import asyncio
@@ -120,13 +131,7 @@ def bench_vllm(model_dir, bucket_mb, reps):
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=model_dir, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=256 << 20,
             worker_extension_cls="weights_sync.WeightUpdateExtension"))
-        store = ws.create_store("127.0.0.1", 0, True, 120)
-        box = {}
-        th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 120)))
-        th.start()
-        await engine.collective_rpc("init_weight_group", args=("127.0.0.1", store.port, 2, 1, "gloo", 120))
-        th.join()
-        sender = ws.WeightSender(store, box["pg"], bucket_mb)
+        sender = await engine_sender(engine, bucket_mb)
         rows = []
         for v in range(reps):
             t_send = {}
