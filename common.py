@@ -539,16 +539,30 @@ def resolve_run_dir(cfg: Config, roles: list) -> str:
     return str(d)
 
 
+def _new_records(path: Path, offset: int):
+    """Complete JSONL lines appended to `path` since byte `offset` -> (records, new offset)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next poll
+    return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()], offset + end
+
+
 def progress(run_dir: str, poll_s: float = 1.0):
-    """Follow the trainer's and actor's metrics; print one line per optimizer step (run.sh)."""
-    run_dir, seen, test = Path(run_dir), 0, "-"
-    t0 = None
+    """Follow the trainer's and actor's metrics; print one line per optimizer step (run.sh).
+    Reads only what was appended since the last poll."""
+    run_dir, test, t0 = Path(run_dir), "-", None
+    offsets = {"metrics_trainer.jsonl": 0, "eval.jsonl": 0}
     while True:
-        recs = read_jsonl(run_dir / "metrics_trainer.jsonl")
-        evals = read_jsonl(run_dir / "eval.jsonl")
+        recs, offsets["metrics_trainer.jsonl"] = _new_records(run_dir / "metrics_trainer.jsonl",
+                                                              offsets["metrics_trainer.jsonl"])
+        evals, offsets["eval.jsonl"] = _new_records(run_dir / "eval.jsonl", offsets["eval.jsonl"])
         if evals:
             test = f"{evals[-1]['test_reward']:.3f} (v{evals[-1]['version']})"
-        for r in recs[seen:]:
+        for r in recs:
             if "trainer/done" in r:
                 continue
             t0 = t0 or r["time"] - r.get("trainer/elapsed_s", 0)
@@ -557,14 +571,29 @@ def progress(run_dir: str, poll_s: float = 1.0):
                   f"lag {g('trainer/lag_mean', '{:.2f}')}/{g('trainer/lag_max', '{:.0f}')} | "
                   f"ess {g('trainer/ess', '{:.3f}')} | {g('trainer/samples_per_s', '{:.1f}')} samples/s | "
                   f"{r['time'] - t0:.0f} s", flush=True)
-        seen = len(recs)
         time.sleep(poll_s)
+
+
+def summary(run_dir: str) -> str:
+    """run.sh's closing line: steps, first/last test reward, mean of the last three evaluations, max lag."""
+    steps = [r for r in read_jsonl(Path(run_dir) / "metrics_trainer.jsonl") if "trainer/done" not in r]
+    evals = read_jsonl(Path(run_dir) / "eval.jsonl")
+    line = f"[run.sh] summary: {steps[-1]['step'] if steps else 0} steps"
+    if evals:
+        last3 = [e["test_reward"] for e in evals[-3:]]
+        line += (f" | test reward {evals[0]['test_reward']:.3f} (v{evals[0]['version']}) -> "
+                 f"{evals[-1]['test_reward']:.3f} (v{evals[-1]['version']}), mean of last {len(last3)} evals "
+                 f"{sum(last3) / len(last3):.3f}")
+    if steps:
+        line += f" | max lag {max(r.get('trainer/lag_max', 0) for r in steps):.0f}"
+    return line
 
 
 if __name__ == "__main__":
     # `python common.py check [overrides]`: validate and print the resolved config.
     # `python common.py shell ROLES [overrides]`: the values run.sh needs, as shell assignments.
     # `python common.py progress RUN_DIR`: follow a run's metrics, one line per step.
+    # `python common.py summary RUN_DIR`: the run's closing line.
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
     if cmd == "check":
         print(yaml.safe_dump(config_to_dict(parse_argv(sys.argv[2:])), sort_keys=False), end="")
@@ -582,5 +611,7 @@ if __name__ == "__main__":
         print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items()))
     elif cmd == "progress":
         progress(sys.argv[2])
+    elif cmd == "summary":
+        print(summary(sys.argv[2]))
     else:
-        sys.exit("usage: python common.py check|shell ROLES|progress RUN_DIR [section.key=value ...]")
+        sys.exit("usage: python common.py check|shell ROLES|progress RUN_DIR|summary RUN_DIR [section.key=value ...]")

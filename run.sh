@@ -129,20 +129,7 @@ while true; do
       if [[ "$role" == "$MAIN" && $rc == 0 ]]; then
         sleep 1; stop_all
         echo "[run.sh] done: $MAIN finished; run directory: $RUN_DIR"
-        "$PY" - "$RUN_DIR" <<'PY' || true
-import sys, common
-d = sys.argv[1]
-steps = [r for r in common.read_jsonl(d + "/metrics_trainer.jsonl") if "trainer/done" not in r]
-evals = common.read_jsonl(d + "/eval.jsonl")
-line = f"[run.sh] summary: {steps[-1]['step'] if steps else 0} steps"
-if evals:
-    last3 = [e["test_reward"] for e in evals[-3:]]
-    line += (f" | test reward {evals[0]['test_reward']:.3f} (v{evals[0]['version']}) -> {evals[-1]['test_reward']:.3f} "
-             f"(v{evals[-1]['version']}), mean of last {len(last3)} evals {sum(last3) / len(last3):.3f}")
-if steps:
-    line += f" | max lag {max(r.get('trainer/lag_max', 0) for r in steps):.0f}"
-print(line)
-PY
+        "$PY" common.py summary "$RUN_DIR" || true
         exit 0
       fi
       if [[ "$role" != "$MAIN" && $rc == 0 ]]; then   # e.g. the actor saw the trainer's "done" first
