@@ -147,8 +147,13 @@ def test_switch_in_flight(env, recompute_kv):
     a, b = env["ids"]["a"], env["ids"]["b"]
 
     async def scenario():
+        # Submit all 12 while the scheduler is paused, so that they start in the same decoding step
+        # (added one by one, they could straddle two steps on a loaded machine).
+        await engine.pause_generation(mode="keep", clear_cache=False)
         reqs = [asyncio.create_task(actor.generate(engine, PROMPTS[i % 4], params, f"sw{recompute_kv}-{i}"))
                 for i in range(12)]
+        await asyncio.sleep(0.5)
+        await engine.resume_generation()
         async for out in engine.generate(PROMPTS[0], params, request_id=f"watch{recompute_kv}"):
             if len(out.outputs[0].token_ids) >= 40:  # well inside every sequence: switch now
                 break
