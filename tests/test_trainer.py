@@ -68,8 +68,9 @@ def make_batch(n, version, seed):
     return sorted(out, key=lambda s: -(len(s["prompt_ids"]) + len(s["completion_ids"])))
 
 
-def reference_train(model, batches, batch_size):
-    """The plain single-process version: one sample at a time, torch.optim.AdamW, torch's clipping."""
+def reference_train(model, batches, batch_size, device=CPU):
+    """The plain single-process version: one sample at a time, torch.optim.AdamW, torch's clipping.
+    device: where the model lives (bench/gpu_check.py runs it on CUDA)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
@@ -80,11 +81,12 @@ def reference_train(model, batches, batch_size):
         total = 0.0
         for s in batch:
             P, C = len(s["prompt_ids"]), len(s["completion_ids"])
-            ids = torch.from_numpy(np.concatenate([s["prompt_ids"], s["completion_ids"]]).astype(np.int64))[None]
+            ids = torch.from_numpy(np.concatenate([s["prompt_ids"], s["completion_ids"]]).astype(np.int64))[None].to(device)
             logits = model(input_ids=ids).logits[:, P - 1:P - 1 + C]  # [1,C,V]
             logprobs = loss.token_logprobs(logits, ids[:, P:], TEMP)  # [1,C]
-            lo, _ = loss.policy_loss(logprobs, torch.from_numpy(s["logprobs"])[None], torch.tensor([s["advantage"]]),
-                                     torch.ones(1, C, dtype=torch.bool), batch_size, is_clamp=5.0)
+            lo, _ = loss.policy_loss(logprobs, torch.from_numpy(s["logprobs"])[None].to(device),
+                                     torch.tensor([s["advantage"]], device=device),
+                                     torch.ones(1, C, dtype=torch.bool, device=device), batch_size, is_clamp=5.0)
             lo.backward()
             total += lo.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
