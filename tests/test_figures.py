@@ -231,7 +231,7 @@ def test_reproduce_matrix():
         else:
             assert {a["cpu_cores"], t["cpu_cores"]} == {"0", "1"}  # the same 2 cores, split
     assert seen == {"pipe-H64": {0, 1}, "conv-G2": {0, 1}, "conv-G4": {0, 1}, "conv-G8": {0, 1},
-                    "pipe-H16": {0}, "pipe-H128": {0}, "pipe-H64-recompute": {0}}
+                    "pipe-H128": {0, 1}, "pipe-H16": {0}, "pipe-H64-recompute": {0}}
     dirs = [c["run"]["dir"] for c in cfgs]
     assert len(set(dirs)) == len(dirs) and all(d.startswith("runs/repro/") for d in dirs)
     quick = checked(dry_run("--quick"))
