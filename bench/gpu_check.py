@@ -7,11 +7,13 @@ Run on a GPU machine:  python bench/gpu_check.py [--out report.json] [--big]
 Checks (each independent; a failure is reported and the next check runs):
   fsdp_fp32   FSDP on CUDA over a 1-rank NCCL group, fp32 compute, vs the plain single-process AdamW
               reference of tests/test_trainer.py on the same GPU: max |param diff| after 3 steps (CPU bound 1e-5)
+  fsdp_fp32_ac  the same with trainer.activation_checkpointing=true (re-gather in recomputation)
   fsdp_bf16   the same with bf16 compute (model.dtype auto on GPU): distance from the fp32 reference, reported
   nccl_2rank  two processes on the same GPU in one NCCL group: NCCL refuses this ("Duplicate GPU") in most
               builds; when it works, a WeightSender -> receive() round trip is checked bit for bit
-  big         (--big) tokens/s, TFLOP/s (6·N·tokens) and peak memory of train_step at bf16, and the time of
-              send_weights (gather + pack; a 1-rank group broadcasts to nobody)
+  big, big_ac  (--big) tokens/s, TFLOP/s (6·N·tokens) and peak memory of train_step at bf16, and the time of
+              send_weights (gather + pack; a 1-rank group broadcasts to nobody); big_ac: the same with activation
+              checkpointing (memory vs speed)
 vLLM on GPU is not checked here: the device machine has no vLLM and cannot download it.
 """
 import argparse
@@ -49,12 +51,13 @@ def check(name):
             REPORT[name]["s"] = round(time.time() - t0, 1)
             print(f"[gpu_check] {name}: {json.dumps({k: v for k, v in REPORT[name].items() if k != 'trace'})}",
                   flush=True)
+        run.__wrapped__ = fn
         return run
     return wrap
 
 
-def _fsdp_vs_reference(tmp, dtype):
-    cfg = make_cfg(tmp, world=1, **{"model.dtype": dtype})
+def _fsdp_vs_reference(tmp, dtype, ac=False):
+    cfg = make_cfg(tmp, world=1, **{"model.dtype": dtype, "trainer.activation_checkpointing": ac})
     dev = torch.device("cuda")
     batches = [make_batch(12, v, seed=v) for v in range(3)]
     ref, ref_losses, _ = reference_train(tiny_model().to(dev), batches, 12, dev)
@@ -70,6 +73,13 @@ def _fsdp_vs_reference(tmp, dtype):
 def fsdp_fp32(tmp):
     r = _fsdp_vs_reference(tmp, "float32")
     assert r["max_param_diff"] < 1e-5, f"FSDP fp32 on CUDA is {r['max_param_diff']:.2e} from the reference (> 1e-5)"
+    return r
+
+
+@check("fsdp_fp32_ac")
+def fsdp_fp32_ac(tmp):
+    r = _fsdp_vs_reference(tmp, "float32", ac=True)
+    assert r["max_param_diff"] < 1e-5, f"FSDP + activation checkpointing on CUDA is {r['max_param_diff']:.2e} off"
     return r
 
 
@@ -127,16 +137,17 @@ def nccl_2rank():
 
 
 @check("big")
-def big(tmp):
+def big(tmp, ac=False):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, num_hidden_layers=24,
                                          num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
                                          tie_word_embeddings=False))
     n_params = sum(p.numel() for p in model.parameters())
-    out = {"params_M": round(n_params / 1e6, 1)}
+    out = {"params_M": round(n_params / 1e6, 1), "activation_checkpointing": ac}
     cfg = make_cfg(tmp, world=1, batch_size=64, **{"actor.max_tokens": 512, "trainer.micro_batch_tokens": 16384,
-                                                   "model.dtype": "auto"})
+                                                   "model.dtype": "auto",
+                                                   "trainer.activation_checkpointing": ac})
     state = trainer.build_state(cfg, torch.device("cuda"), model=model)
     rng = np.random.default_rng(0)
 
@@ -159,6 +170,8 @@ def big(tmp):
     out.update(train_step_s=round(dt, 3), tokens_per_s=round(64 * 640 / dt), micro_batches=m["micro_batches"],
                tflops=round(6 * n_params * 64 * 640 / dt / 1e12, 1),
                peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1), loss_finite=bool(np.isfinite(m["loss"])))
+    if ac:
+        return out
     store = weights_sync.create_store("127.0.0.1", 29500 + os.getpid() % 400, True, 60)
     pg = weights_sync.init_group(store, 0, 1, "nccl", timeout_s=60)
     sender = weights_sync.WeightSender(store, pg, bucket_mb=32)
@@ -171,6 +184,14 @@ def big(tmp):
     gb = n_params * 2 / 1e9
     out.update(send_weights_s=round(min(times), 3), send_gb=round(gb, 2), send_gb_per_s=round(gb / min(times), 1))
     return out
+
+
+@check("big_ac")
+def big_ac(tmp):
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+    return big.__wrapped__(tmp, ac=True)
 
 
 def main():
@@ -188,10 +209,12 @@ def main():
                       LOCAL_RANK="0")
     dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", 0))
     fsdp_fp32(tmp)
+    fsdp_fp32_ac(tmp)
     fsdp_bf16(tmp)
     nccl_2rank()
     if args.big:
         big(tmp)
+        big_ac(tmp)
     dist.destroy_process_group()
     Path(args.out).write_text(json.dumps(REPORT, indent=1))
     failed = [k for k, v in REPORT.items() if k != "env" and not v["ok"]]
