@@ -17,6 +17,7 @@ Checks (each independent; a failure is reported and the next check runs):
 vLLM on GPU is not checked here: the device machine has no vLLM and cannot download it.
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -32,9 +33,9 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
-import common  # noqa: E402
 import trainer  # noqa: E402
 import weights_sync  # noqa: E402
+from conftest import free_port  # noqa: E402
 from test_trainer import full_params, make_batch, make_cfg, reference_train, tiny_model  # noqa: E402
 
 REPORT = {}
@@ -51,7 +52,6 @@ def check(name):
             REPORT[name]["s"] = round(time.time() - t0, 1)
             print(f"[gpu_check] {name}: {json.dumps({k: v for k, v in REPORT[name].items() if k != 'trace'})}",
                   flush=True)
-        run.__wrapped__ = fn
         return run
     return wrap
 
@@ -113,7 +113,7 @@ def _two_rank(rank, port, result_q):
 def nccl_2rank():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = 29000 + os.getpid() % 1000
+    port = free_port()
     procs = [ctx.Process(target=_two_rank, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
@@ -136,43 +136,49 @@ def nccl_2rank():
     return {"supported": True, **rec}
 
 
-@check("big")
-def big(tmp, ac=False):
+ROWS, PROMPT, COMPLETION, VOCAB = 64, 128, 512, 151936  # one batch of the --big checks: 64 x 640 tokens
+
+
+def _big(tmp, ac):
+    """-> (report, state) after a warm-up and 3 timed train_steps of a Qwen2-0.5B-shaped model at bf16."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, num_hidden_layers=24,
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=896, num_hidden_layers=24,
                                          num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
                                          tie_word_embeddings=False))
     n_params = sum(p.numel() for p in model.parameters())
-    out = {"params_M": round(n_params / 1e6, 1), "activation_checkpointing": ac}
-    cfg = make_cfg(tmp, world=1, batch_size=64, **{"actor.max_tokens": 512, "trainer.micro_batch_tokens": 16384,
-                                                   "model.dtype": "auto",
-                                                   "trainer.activation_checkpointing": ac})
+    cfg = make_cfg(tmp, world=1, batch_size=ROWS, **{"actor.max_tokens": COMPLETION,
+                                                     "trainer.micro_batch_tokens": 16384, "model.dtype": "auto",
+                                                     "trainer.activation_checkpointing": ac})
     state = trainer.build_state(cfg, torch.device("cuda"), model=model)
     rng = np.random.default_rng(0)
 
     def batch(version):
-        return [dict(prompt_ids=rng.integers(0, 151936, 128).astype(np.int32),
-                     completion_ids=rng.integers(0, 151936, 512).astype(np.int32),
-                     logprobs=rng.uniform(-12, -11, 512).astype(np.float32),
-                     versions=np.full(512, version, np.int32), advantage=float(rng.normal()), reward=1.0, group_id=i)
-                for i in range(64)]
+        return [dict(prompt_ids=rng.integers(0, VOCAB, PROMPT).astype(np.int32),
+                     completion_ids=rng.integers(0, VOCAB, COMPLETION).astype(np.int32),
+                     logprobs=rng.uniform(-12, -11, COMPLETION).astype(np.float32),
+                     versions=np.full(COMPLETION, version, np.int32), advantage=float(rng.normal()), reward=1.0,
+                     group_id=i) for i in range(ROWS)]
 
     torch.cuda.reset_peak_memory_stats()
     trainer.train_step(state, batch(0), cfg)  # warm-up
     torch.cuda.synchronize()
-    t0, tokens, steps = time.time(), 0, 3
+    t0, steps = time.time(), 3
     for v in range(1, steps + 1):
         m = trainer.train_step(state, batch(v), cfg)
-        tokens += 64 * 640
     torch.cuda.synchronize()
-    dt = (time.time() - t0) / steps
-    out.update(train_step_s=round(dt, 3), tokens_per_s=round(64 * 640 / dt), micro_batches=m["micro_batches"],
-               tflops=round(6 * n_params * 64 * 640 / dt / 1e12, 1),
-               peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1), loss_finite=bool(np.isfinite(m["loss"])))
-    if ac:
-        return out
-    store = weights_sync.create_store("127.0.0.1", 29500 + os.getpid() % 400, True, 60)
+    dt, tokens = (time.time() - t0) / steps, ROWS * (PROMPT + COMPLETION)
+    return {"params_M": round(n_params / 1e6, 1), "activation_checkpointing": ac, "train_step_s": round(dt, 3),
+            "tokens_per_s": round(tokens / dt), "micro_batches": m["micro_batches"],
+            "tflops": round(6 * n_params * tokens / dt / 1e12, 1),
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            "loss_finite": bool(np.isfinite(m["loss"]))}, state
+
+
+@check("big")
+def big(tmp):
+    out, state = _big(tmp, ac=False)
+    store = weights_sync.create_store("127.0.0.1", free_port(), True, 60)
     pg = weights_sync.init_group(store, 0, 1, "nccl", timeout_s=60)
     sender = weights_sync.WeightSender(store, pg, bucket_mb=32)
     trainer.send_weights(state, sender, 1)  # warm-up (staging buffers)
@@ -181,17 +187,16 @@ def big(tmp, ac=False):
     for v in range(2, 5):
         times.append(trainer.send_weights(state, sender, v))
         torch.cuda.synchronize()
-    gb = n_params * 2 / 1e9
-    out.update(send_weights_s=round(min(times), 3), send_gb=round(gb, 2), send_gb_per_s=round(gb / min(times), 1))
-    return out
+    gb = out["params_M"] * 1e6 * 2 / 1e9
+    return {**out, "send_weights_s": round(min(times), 3), "send_gb": round(gb, 2),
+            "send_gb_per_s": round(gb / min(times), 1)}
 
 
 @check("big_ac")
 def big_ac(tmp):
-    import gc
-    gc.collect()
+    gc.collect()  # the previous check's model: FSDP's wrapped forwards make reference cycles
     torch.cuda.empty_cache()
-    return big.__wrapped__(tmp, ac=True)
+    return _big(tmp, ac=True)[0]
 
 
 def main():
@@ -205,7 +210,7 @@ def main():
     print(f"[gpu_check] env: {REPORT['env']}", flush=True)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_check"
     tmp.mkdir(parents=True, exist_ok=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(28000 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", 0))
     fsdp_fp32(tmp)
