@@ -59,6 +59,79 @@ def token_logprobs(logits, tokens, temperature):
     return picked - torch.logsumexp(scaled, dim=-1)  # (2) [B,T]
 
 
+def nucleus_mask(scaled, top_p):
+    """(2') scaled logits [N,V] (already ÷ temperature) -> bool [N,V], True = inside the top-p nucleus.
+
+    The rule of vLLM 0.32's sampler (`apply_top_k_top_p_pytorch`): sort ascending, drop every token whose
+    cumulative probability (itself included) is <= 1 - top_p, never the most likely one. With
+    `logprobs_mode="processed_logprobs"` the actor's μ is the softmax renormalised over this set, so π must
+    be too, or on-policy tokens get w = π/μ < 1 (DESIGN.md, top-p trap).
+    """
+    sorted_z, order = scaled.sort(dim=-1)  # [N,V] ascending
+    drop_sorted = sorted_z.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # [N,V]
+    drop_sorted[:, -1] = False  # at least one token
+    return ~torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [N,V] back in vocab order
+
+
+class _CompletionLogprobs(torch.autograd.Function):
+    """hidden [N,D], lm_head weight [V,D], targets [N] -> (2) log π(targets) [N] and (3) entropy [N], computed
+    `chunk` positions at a time: no [N,V] tensor is ever alive, in forward or backward (backward recomputes
+    each chunk's logits from the saved hidden states and the per-position logsumexp). The gradient is
+    the exact one of (2): d log π(y)/dz_v = ([v = y] - π(v)) / temperature over the kept tokens."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, top_p, chunk):
+        logprobs = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)  # [N]
+        entropy = torch.empty_like(logprobs)  # [N]
+        lse = torch.empty_like(logprobs)  # [N] logsumexp of each position's kept scaled logits
+        for lo in range(0, len(targets), chunk):
+            z, keep = _scaled(hidden[lo:lo + chunk], weight, targets[lo:lo + chunk], temperature, top_p)  # [n,V]
+            lse[lo:lo + chunk] = torch.logsumexp(z, dim=-1)  # [n]
+            logp = z - lse[lo:lo + chunk, None]  # [n,V] (2) over the kept tokens, -inf elsewhere
+            logprobs[lo:lo + chunk] = logp.gather(-1, targets[lo:lo + chunk, None]).squeeze(-1)  # [n]
+            entropy[lo:lo + chunk] = -torch.where(keep, logp.exp() * logp, 0.0).sum(-1)  # [n] (3)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.top_p, ctx.chunk = temperature, top_p, chunk
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):  # [N], entropy is a diagnostic only
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)  # [N,D]
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V,D] accumulated over chunks in fp32
+        for lo in range(0, len(targets), ctx.chunk):
+            h, y, g = hidden[lo:lo + ctx.chunk], targets[lo:lo + ctx.chunk], grad_logprobs[lo:lo + ctx.chunk]
+            z, _ = _scaled(h, weight, y, ctx.temperature, ctx.top_p)  # [n,V] recomputed
+            dz = -(z - lse[lo:lo + ctx.chunk, None]).exp() * g[:, None]  # [n,V] -π(v)·g (0 where dropped)
+            dz.scatter_add_(-1, y[:, None], g[:, None])  # [n,V] + [v = y]·g
+            dz = (dz / ctx.temperature).to(weight.dtype)  # [n,V] through z = logits / temperature
+            grad_hidden[lo:lo + ctx.chunk] = dz @ weight  # [n,D]
+            grad_weight += (dz.t() @ h).float()  # [V,D]
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _scaled(hidden, weight, targets, temperature, top_p):
+    """-> logits / temperature [n,V] in float32 (-inf outside the nucleus) and the kept mask [n,V]. The
+    sampled token is always kept: a token an older μ sampled can fall outside π's nucleus, where log π
+    would be -inf (a rare, off-policy case; on-policy tokens are inside by construction)."""
+    z = (hidden @ weight.t()).float() / temperature  # [n,V] (2); fp32 as in token_logprobs
+    keep = torch.ones_like(z, dtype=torch.bool)  # [n,V]
+    if top_p < 1.0:
+        keep = nucleus_mask(z, top_p)
+        keep.scatter_(-1, targets[:, None], True)
+        z = z.masked_fill(~keep, float("-inf"))
+    return z, keep
+
+
+def completion_logprobs(hidden, weight, targets, temperature, top_p=1.0, chunk=1024):
+    """(2), (3) at completion positions only: hidden [N,D] (the final hidden states that predict each
+    completion token), lm_head weight [V,D], targets [N] -> log π [N] (differentiable) and entropy [N].
+    Peak memory is that of `chunk` x V logits, not N x V (chunk <= 0: all N at once)."""
+    chunk = chunk if chunk > 0 else max(len(targets), 1)
+    return _CompletionLogprobs.apply(hidden, weight, targets.long(), float(temperature), float(top_p), chunk)
+
+
 def entropy_from_logits(logits, temperature):
     """(3) logits [B,T,V] -> entropy of softmax(logits/temperature) [B,T]; callers may use no_grad."""
     scaled = logits.float() / temperature  # [B,T,V]

@@ -254,3 +254,49 @@ def test_bucket_sums_add_up_to_totals():
         assert st[bucket_key].sum().item() == pytest.approx(st[total_key].item(), rel=1e-9, abs=1e-9), bucket_key
     # and the tokens land in the bucket of their own lag
     assert st["bucket_tokens"][5].item() == ((lags >= 9) & mask).sum().item()
+
+
+# --- (2)-(3) at completion positions, chunked (issue 14) -----------------------------------------------
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 5), (0.7, 3), (0.7, 0)])
+def test_completion_logprobs_chunked_equal_unchunked(temperature, chunk):
+    """Values and gradients (hidden and lm_head weight) equal the plain full-logits computation."""
+    g = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(11, 8, generator=g), torch.randn(17, 8, generator=g) * 0.7  # [N,D], [V,D]
+    targets, up = torch.randint(17, (11,), generator=g), torch.randn(11, generator=g)  # [N]
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, ent = L.completion_logprobs(h1, w1, targets, temperature, chunk=chunk)
+    logits = h2 @ w2.t()  # [N,V]
+    ref = L.token_logprobs(logits[None], targets[None], temperature)[0]
+    torch.testing.assert_close(lp, ref)
+    torch.testing.assert_close(ent, L.entropy_from_logits(logits.detach(), temperature))
+    (lp * up).sum().backward()
+    (ref * up).sum().backward()
+    torch.testing.assert_close(h1.grad, h2.grad)
+    torch.testing.assert_close(w1.grad, w2.grad)
+
+
+def test_nucleus_mask_is_vllms_rule_and_renormalises():
+    """top_p: the kept set is the smallest top set whose mass reaches top_p (vLLM's rule), π renormalises
+    over it, and the gradient is that of log_softmax over the kept logits only."""
+    z = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))  # probabilities 0.5, 0.3, 0.15, 0.05
+    assert L.nucleus_mask(z, 0.8).tolist() == [[True, True, False, False]]  # 0.5+0.3 reaches 0.8
+    assert L.nucleus_mask(z, 0.81).tolist() == [[True, True, True, False]]
+    assert L.nucleus_mask(z, 0.1).tolist() == [[True, False, False, False]]  # never empty
+    hidden = torch.eye(4, requires_grad=True)  # hidden @ W.T = rows of W: position i sees logits z
+    weight = z.t().repeat(1, 4).clone().requires_grad_(True)  # [V=4, D=4]
+    lp, ent = L.completion_logprobs(hidden, weight, torch.tensor([0, 1, 0, 1]), 1.0, top_p=0.8, chunk=3)
+    torch.testing.assert_close(lp, torch.log(torch.tensor([0.625, 0.375, 0.625, 0.375])))  # 0.5/0.8, 0.3/0.8
+    torch.testing.assert_close(ent, torch.full((4,), -(0.625 * math.log(0.625) + 0.375 * math.log(0.375))))
+    lp.sum().backward()
+    ref_h = hidden.detach().clone().requires_grad_(True)
+    ref = torch.log_softmax(ref_h @ weight.detach()[:2].t(), -1).gather(-1, torch.tensor([[0], [1], [0], [1]]))
+    ref.sum().backward()
+    torch.testing.assert_close(hidden.grad, ref_h.grad)
+
+
+def test_sampled_token_outside_the_nucleus_is_kept_finite():
+    """An off-policy token outside π's nucleus: log π stays finite (the token joins the kept set)."""
+    z = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    lp, _ = L.completion_logprobs(torch.eye(4)[:1], z.t().repeat(1, 4), torch.tensor([3]), 1.0, top_p=0.8)
+    assert torch.isfinite(lp).all() and lp.item() == pytest.approx(math.log(0.05 / 0.85), rel=1e-5)
