@@ -181,11 +181,23 @@ class FSDP:
                     entries[unit_of.get(id(module), 0)].append((f"{mname}.{attr}", module, attr))
         self.units = [Unit(e, device) for e in entries]
         model.to(device)  # what is left: buffers (rotary table), unsharded
-        self._wrap(model, self.units[0], ac=False, root=True)
+        inner = model.forward
+        model.forward = lambda *args, **kwargs: self.run_root(inner, *args, **kwargs)
         for layer, unit in zip(layers, self.units[1:]):
             self._wrap(layer, unit, ac=activation_checkpointing)
 
-    def _wrap(self, module, unit, ac, root=False):
+    def run_root(self, fn, *args, **kwargs):
+        """fn(*args, **kwargs) with the root unit (embeddings, final norm, lm_head) gathered for the whole call
+        (embeddings first, head last) and the saved-tensor hooks installed. model(...) runs through it; so can
+        a caller's own use of model.model(...) and model.lm_head.weight. Not nested (one call per forward)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            self.gather(self.units[0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.free(self.units[0])
+
+    def _wrap(self, module, unit, ac):
         inner = module.forward
 
         def run(*args, **kwargs):
@@ -196,9 +208,6 @@ class FSDP:
                 self.free(unit)
 
         def forward(*args, **kwargs):
-            if root:  # the root unit stays gathered for the whole forward (embeddings first, head last)
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                    return run(*args, **kwargs)
             if ac and torch.is_grad_enabled():
                 # Activation checkpointing: the gather happens inside `run`, so backward's recomputation
                 # re-gathers the unit itself (checkpoint's own saved-tensor hooks replace ours in there).

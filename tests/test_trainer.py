@@ -186,6 +186,26 @@ def test_gathered_parameter_memory_stays_two_units(tmp_path):
     assert state.fsdp.live_bytes == 0  # nothing gathered survives the step
 
 
+def test_run_root_equals_model_forward(tmp_path):
+    """FSDP.run_root(fn) around the model's parts (what a completion-only head does) == model(...): the same
+    logits and the same shard gradients, bit for bit (same ops, same order)."""
+    ids = torch.randint(0, 64, (2, 9))
+    out = []
+    for parts in (False, True):
+        state = trainer.build_state(make_cfg(tmp_path), CPU, model=tiny_model())
+        m = state.model
+        if parts:
+            logits = state.fsdp.run_root(
+                lambda x: torch.nn.functional.linear(m.model(input_ids=x).last_hidden_state, m.lm_head.weight), ids)
+        else:
+            logits = m(input_ids=ids).logits  # [B,T,V]
+        logits.pow(2).mean().backward()
+        out.append((logits.detach(), [u.shard.grad for u in state.fsdp.units]))
+        assert state.fsdp.live_bytes == 0
+    assert torch.equal(out[0][0], out[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+
+
 # --- weight broadcast -------------------------------------------------------------------------------------
 
 def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
