@@ -2,18 +2,19 @@
 
 Consumes: training prompts from tasks.py (the seeded stream, from the index the trainer stores as
   `cursor`), and new weights from the trainer over the weight group (weights_sync.py), announced by the
-  store key `version`.
+  store keys `announce/<n>` (n = 1, 2, ...: the version of the n-th broadcast, or "done").
 Produces: one `rollout` message (common.SCHEMAS["rollout"]) per finished sample, ZMQ PUSH to
   ports.host:ports.rollouts (the verifier binds PULL there): prompt_ids[int32 P], completion_ids[int32 T],
   logprobs[float32 T] (behaviour policy: log_softmax(logits/temperature) of each sampled token),
   versions[int32 T] (the policy version that sampled each token); header group_id (the prompt's stream
-  index), sample_idx, group_size, task, answer, finish_reason, t_start, t_end.
-  Metrics `actor/*` in <run.dir>/metrics_actor.jsonl; test evaluations in <run.dir>/eval.jsonl.
+  index), sample_idx, group_size, task, answer, finish_reason, t_start, t_end, proc (this actor process),
+  eval (true for test-set attempts, which the verifier grades into eval.jsonl instead of training on).
+  Metrics `actor/*` in <run.dir>/metrics_actor.jsonl.
 
 Run alone (needs trainer.py's store at sync.host:sync.port, and a verifier or any PULL socket):
     python actor.py [section.key=value ...]          # e.g. actor.schedule=conventional actor.G_steps=4
-It exits 0 on SIGTERM/SIGINT or when the trainer sets the store key `done`; non-zero when the trainer
-does not show up within run.peer_timeout_s (naming its address) or goes away.
+It exits 0 on SIGTERM/SIGINT or when the trainer announces "done"; non-zero when the trainer does not
+show up within run.peer_timeout_s (naming its address) or goes away.
 With several actor processes (one per node), ACTOR_PROC_INDEX=p selects this one's weight ranks and
 prompts (p, p+P, p+2P, ... after the cursor).
 
@@ -22,19 +23,21 @@ Simplifications vs the paper and its code:
    the paper bounds it only implicitly, through H and the trainer's speed (App. A.3).
 2. A group's `group_size` attempts are `group_size` independent n=1 requests (finer admission,
    per-sample push); prefix caching is off, so they share no KV (DESIGN.md: stale KV after an update).
-3. The update waits for the evaluation requests in flight, so every test score belongs to one version;
-   the trainer's next broadcast waits that long (logged as `eval_s`, every actor.eval_every versions).
+3. Evaluation never holds back an update: its requests run alongside training (in actor.max_inflight/4
+   extra engine slots) across any number of updates, and every eval token records its version like a
+   training token; eval.jsonl names the span of versions that produced the score (`versions`), its
+   `version` is the one at which the evaluation started. Only actor process 0 evaluates.
 4. Stale KV is kept across an update (the paper's default); actor.recompute_kv=true recomputes it.
 5. Several actor processes split the lag budget evenly (exact for one process; see `admit`).
 """
 import asyncio
-import json
-import math
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +48,6 @@ from common import log
 from tasks import format_prompt, load_tasks
 
 REPO = Path(__file__).resolve().parent
-POLL_S = 0.005  # how often the store's `version` is polled: an update waits at most this plus one decode step
 
 
 class PeerTimeout(RuntimeError):
@@ -67,8 +69,13 @@ def engine_args(cfg, proc_index: int = 0):
         enable_prefix_caching=False,          # a group shares its prompt: no KV computed by old weights
         logprobs_mode="processed_logprobs",   # logprobs of the distribution actually sampled (T, top-p)
         generation_config="vllm",             # ignore the checkpoint's sampling defaults (e.g. repetition penalty)
-        max_num_seqs=cfg.actor.max_inflight,
+        max_num_seqs=cfg.actor.max_inflight + eval_slots(cfg, proc_index),
         worker_extension_cls="weights_sync.WeightUpdateExtension", **extra)
+
+
+def eval_slots(cfg, proc_index: int = 0) -> int:
+    """Engine slots for evaluation requests, on top of the H training sequences (simplification 3)."""
+    return max(1, cfg.actor.max_inflight // 4) if cfg.actor.eval_every and proc_index == 0 else 0
 
 
 def _on_gpu() -> bool:
@@ -107,27 +114,39 @@ async def join_weight_group(cfg, engines, proc_index: int = 0):
             "auto", s.timeout_s)) for e, eng in enumerate(engines)))
 
 
-async def update_weights(engines, target: int, recompute_kv: bool, timeout_s: float):
-    """In-flight update (DESIGN.md): pause between two decode steps, keep the running requests, receive
-    until caught up with `target`, label the new version inside the pause, resume. -> (version, pause_s)"""
+async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float):
+    """In-flight update (DESIGN.md) of the broadcast announced as `version` -> (stats, pause_s).
+
+    The four calls go out back to back, without waiting for each other's replies; each engine core
+    runs them in the order they arrive, between two decode steps: pause (the running requests and
+    their KV are kept), receive and load, label the new version, resume. Nothing can decode in
+    between, so the version label is exact (set inside the pause: labelling after resume mislabels a
+    step), and generation stops only for the wire and the load, plus one engine-core hand-off. vLLM's
+    own AsyncLLM.pause_generation would add a 20 ms sleep and a round trip (bench/bench_stall.py)."""
     t0 = time.perf_counter()
-    await asyncio.gather(*(e.pause_generation(mode="keep", clear_cache=recompute_kv) for e in engines))
-    try:
-        version = -1
-        while version < target:  # the header carries each broadcast's version
-            got = await asyncio.gather(*(e.collective_rpc("receive_weights", timeout=timeout_s) for e in engines))
-            version = min(v for per_engine in got for v in per_engine)
-        # Inside the pause: labelling after resume would mislabel one step (DESIGN.md).
-        await asyncio.gather(*(e.update_weight_version(str(version)) for e in engines))
-    finally:  # a rejected update (ManifestError) leaves the old weights running
-        await asyncio.gather(*(e.resume_generation() for e in engines))
-    return version, time.perf_counter() - t0
+    calls = []
+    for e in engines:  # vLLM 0.32: EngineCoreClient utilities (see weights_sync.VLLM_VERSION)
+        calls += [e.engine_core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv),
+                  e.collective_rpc("receive_weights", timeout=timeout_s),
+                  e.update_weight_version(str(version)), e.engine_core.resume_scheduler_async()]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:  # a rejected update (ManifestError) leaves the old weights running: the actor stops
+        raise errors[0]
+    stats = [s for r in results[1::4] for s in r]  # one dict per worker: version, wire_s, load_s, bytes
+    if any(s["version"] != version for s in stats):
+        raise RuntimeError(f"announced version {version}, received {[s['version'] for s in stats]}")
+    return stats, time.perf_counter() - t0
 
 
 def sampling_params(cfg, temperature: float, top_p: float = 1.0):
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    # The finished request only, ids without text (the verifier decodes), logprobs as flat floats: the
+    # front-end's per-token work is what the engine's core pays for in a run (DESIGN.md: 4.5k -> 5.4k tok/s).
     return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=cfg.actor.max_tokens,
-                          logprobs=0)  # 0: just the sampled token's logprob
+                          logprobs=0, flat_logprobs=True, detokenize=False,  # logprobs=0: the sampled token's
+                          output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 async def generate(engine, prompt: str, params, request_id: str) -> dict:
@@ -137,14 +156,49 @@ async def generate(engine, prompt: str, params, request_id: str) -> dict:
         pass
     c = out.outputs[0]
     ids = np.asarray(c.token_ids, dtype=np.int32)
-    logprobs = np.asarray([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)], dtype=np.float32) \
-        if c.logprobs is not None else np.zeros(len(ids), np.float32)
+    lp = c.logprobs if c.logprobs is not None else [{}] * len(ids)
+    logprobs = np.asarray(lp.logprobs if hasattr(lp, "logprobs") else  # FlatLogprobs, else [{token: Logprob}]
+                          [d[t].logprob if t in d else 0.0 for d, t in zip(lp, c.token_ids)], dtype=np.float32)
     versions = np.full(len(ids), -1, dtype=np.int32)
     for span in c.weight_versions or []:  # exact per-token labels, also across in-flight updates
         versions[span.start:span.end] = int(span.version)
     return {"prompt_ids": np.asarray(out.prompt_token_ids, dtype=np.int32), "completion_ids": ids,
-            "logprobs": logprobs, "versions": versions, "text": c.text,
+            "logprobs": logprobs, "versions": versions,
             "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time()}
+
+
+# --- announcements: a thread blocks on the store, the loop is woken -----------------------------------------
+
+class Announcements:
+    """Waits (in a thread, on its own store connection: no polling) for `announce/<n>` and wakes the loop.
+    `pending` lists the announced values not yet handled, oldest first: each version is one broadcast the
+    engines must join; "done" ends the run."""
+
+    def __init__(self, cfg, first: int, loop, wake: asyncio.Event):
+        self.pending, self.error, self.next = [], None, first
+        self.store = ws.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
+        self.loop, self.wake = loop, wake
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        try:
+            while True:
+                key = f"announce/{self.next}"
+                self.store.wait([key], timedelta(days=365))  # returns the moment the trainer sets it
+                value = self.store.get(key).decode()
+                self.next += 1
+                self.loop.call_soon_threadsafe(self._arrived, value)
+                if value == "done":
+                    return
+        except Exception as e:  # noqa: BLE001 - the store's master (trainer rank 0) went away
+            self.loop.call_soon_threadsafe(self._arrived, e)
+
+    def _arrived(self, value):
+        if isinstance(value, BaseException):
+            self.error = value
+        else:
+            self.pending.append(value)
+        self.wake.set()
 
 
 # --- actor state ---------------------------------------------------------------------------------------
@@ -156,8 +210,10 @@ class ActorState:
     first_version: int = -1
     started: int = 0            # samples started since this process began (or since this version, conventional)
     started_total: int = 0
+    dropped: int = 0            # of those, dropped on the way (verifier/trainer, store key dropped/<proc>)
+    dropped_at_update: int = 0  # `dropped` when the current version arrived (conventional)
     pushed: int = 0
-    inflight: int = 0
+    inflight: int = 0           # training samples being generated
     groups: dict = field(default_factory=dict)  # group_id -> [start version, samples not yet finished]
     per_engine: list = field(default_factory=list)
     updates: int = 0
@@ -174,128 +230,155 @@ def admit(cfg, st: ActorState, procs: int) -> bool:
     """May one more group of group_size samples start now without any token exceeding actor.max_lag?
 
     The lag argument (pipeline). The trainer consumes B samples per step in arrival order, so after
-    version v it has consumed (v - v0)*B of the samples this actor started (v0: version at start); a
+    version v it has consumed (v - v0)*B of the samples this actor delivered (v0: version at start); a
     token pushed in the k-th consumed sample (0-based) is trained on by version v0 + floor(k/B). Admit
-    while started + group_size <= (u_min - v0 + max_lag + 1)*B, u_min the oldest start version in flight.
-    A group G started at version u stays in flight until its last sample finishes, so every group
-    admitted while G runs was admitted under a budget <= (u - v0 + max_lag + 1)*B; when G completes (the
-    verifier forwards whole groups), fewer samples than that have finished, so G's samples are consumed
-    at index k < (u - v0 + max_lag + 1)*B, i.e. by version <= u + max_lag, and all G's tokens were sampled
-    by versions >= u: lag <= max_lag. Nothing is dropped: when the budget is spent, the groups in flight
-    finish, u_min becomes the current version v, and the budget (v - v0 + max_lag + 1)*B covers the
-    (v - v0 + 1)*B samples the trainer needs for its next step. With P actor processes each takes B/P
-    (rounded up to whole groups): exact for P=1, approximate when processes run at different speeds.
-    Conventional: exactly B*G_steps samples (samples_per_version) per version, then wait.
+    while started - dropped + group_size <= (u_min - v0 + max_lag + 1)*B, u_min the oldest start version
+    in flight. A group G started at version u stays in flight until its last sample finishes, so every
+    group admitted while G runs was admitted under a budget <= (u - v0 + max_lag + 1)*B; when G
+    completes (the verifier forwards whole groups), fewer samples than that were delivered before it, so
+    G's samples are consumed at index k < (u - v0 + max_lag + 1)*B, i.e. by version <= u + max_lag, and
+    all G's tokens were sampled by versions >= u: lag <= max_lag. A dropped sample (a zero-advantage
+    group the verifier drops, a malformed one) is never consumed, so it is given back (`dropped`, reported
+    through the store; a drop learnt late only made admission more cautious meanwhile). Nothing stalls:
+    when the budget is spent, the groups in flight finish, u_min becomes the current version v, and the
+    budget covers the (v - v0 + 1)*B samples the trainer needs for its next step. With P actor processes
+    each takes B/P (common.validate requires whole groups): exact for P=1, approximate when processes run
+    at different speeds.
+    Conventional: B*G_steps samples delivered per RL step (B*(G_steps - version % G_steps) for the first
+    after resuming mid-RL-step), then wait for the next weights.
     """
     a, B, gs = cfg.actor, cfg.trainer.batch_size, cfg.actor.group_size
+    delivered = st.started - (st.dropped - st.dropped_at_update if a.schedule == "conventional" else st.dropped)
     if a.schedule == "conventional":
-        return st.started + gs <= math.ceil(cfg.samples_per_version / procs / gs) * gs
-    steps = st.u_min() - st.first_version + a.max_lag + 1
-    return st.started + gs <= math.ceil(steps * B / procs / gs) * gs
+        return delivered + gs <= B * (a.G_steps - st.version % a.G_steps) // procs
+    return delivered + gs <= (st.u_min() - st.first_version + a.max_lag + 1) * B // procs
 
 
-# --- the loop --------------------------------------------------------------------------------------------
+# --- the loop (Algorithm 2) ------------------------------------------------------------------------------
 
 async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0, st: ActorState = None):
-    """Generate until `stop` is set; returns the state. The engines must have joined the weight group."""
-    import zmq
+    """Generate until `stop` is set or the trainer announces "done"; returns the state. The engines must
+    have joined the weight group. Each pass of the loop: take pending weights, start an evaluation when
+    one is due, admit new groups, log; then sleep until a sample finishes or weights are announced."""
+    import zmq.asyncio
     st = st or ActorState()
     st.per_engine = [0] * len(engines)
-    procs = cfg.actor_procs
+    wake, loop = asyncio.Event(), asyncio.get_running_loop()
     stream, test = load_tasks(cfg)
     tokenizer = None
     if cfg.data.prompt_format == "chat":
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    ctx = zmq.Context.instance()
-    push = ctx.socket(zmq.PUSH)
+    push = zmq.asyncio.Context.instance().socket(zmq.PUSH)  # awaits backpressure instead of blocking the loop
     push.setsockopt(zmq.LINGER, 0)
     push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
     train_params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
-    tasks = set()
+    tasks, pauses, wire_load = set(), [], []
 
-    async def sample(e, problem, prompt, gid, k):
+    async def sample(e, problem, prompt, gid, k, evaluation=None):
         """One attempt: generate (across any number of updates), push, release the admission slot."""
+        params = train_params if evaluation is None else evaluation["params"]
         try:
-            r = await generate(engines[e], prompt, train_params, f"{proc_index}-{gid}-{k}")
-            header = {"group_id": gid, "sample_idx": k, "group_size": cfg.actor.group_size,
+            r = await generate(engines[e], prompt, params, f"{proc_index}-{'eval' if evaluation else 'g'}{gid}-{k}")
+            header = {"group_id": gid, "sample_idx": k, "group_size": len(test) if evaluation else cfg.actor.group_size,
                       "task": problem.task, "answer": problem.answer, "finish_reason": r["finish_reason"],
-                      "t_start": r["t_start"], "t_end": r["t_end"]}
-            common.send(push, header, {n: r[n] for n in common.SCHEMAS["rollout"][1]})
-            lag = st.version - r["versions"]
+                      "t_start": r["t_start"], "t_end": r["t_end"], "proc": proc_index, "eval": evaluation is not None}
+            await push.send_multipart(common.encode(header, {n: r[n] for n in common.SCHEMAS["rollout"][1]}), copy=False)
             w = st.window
-            w["tokens"] = w.get("tokens", 0) + len(lag)
-            w["samples"] = w.get("samples", 0) + 1
-            if len(lag):
-                w["lag_min"] = min(w.get("lag_min", 1 << 30), int(lag.min()))
-                w["lag_max"] = max(w.get("lag_max", 0), int(lag.max()))
-                w["lag_sum"] = w.get("lag_sum", 0) + int(lag.sum())
-            st.pushed += 1
+            w["engine_tokens"] = w.get("engine_tokens", 0) + len(r["completion_ids"])
+            if evaluation is None:
+                lag = st.version - r["versions"]
+                w["tokens"] = w.get("tokens", 0) + len(lag)
+                w["samples"] = w.get("samples", 0) + 1
+                if len(lag):
+                    w["lag_min"] = min(w.get("lag_min", 1 << 30), int(lag.min()))
+                    w["lag_max"] = max(w.get("lag_max", 0), int(lag.max()))
+                    w["lag_sum"] = w.get("lag_sum", 0) + int(lag.sum())
+                st.pushed += 1
         except Exception as ex:  # noqa: BLE001 - the loop raises it
             st.error = ex
         finally:
-            st.inflight -= 1
-            st.per_engine[e] -= 1
-            g = st.groups[gid]
-            g[1] -= 1
-            if g[1] == 0:
-                del st.groups[gid]
+            if evaluation is not None:
+                evaluation["slots"].release()
+            else:
+                st.inflight -= 1
+                st.per_engine[e] -= 1
+                g = st.groups[gid]
+                g[1] -= 1
+                if g[1] == 0:
+                    del st.groups[gid]
+            wake.set()
 
-    # --- first weights: block until the trainer's first announced version is loaded ---
+    async def evaluate(version):
+        """The test split, one greedy attempt each, at most eval_slots at a time: graded by the verifier."""
+        ev = {"params": sampling_params(cfg, cfg.actor.eval_temperature), "slots": asyncio.Semaphore(eval_slots(cfg))}
+        mine = []
+        for i, p in enumerate(test):
+            await ev["slots"].acquire()
+            prompt = format_prompt(p, tokenizer, cfg.data.prompt_format)
+            mine.append(asyncio.create_task(sample(i % len(engines), p, prompt, version, i, ev)))
+        await asyncio.gather(*mine)  # one evaluation at a time
+
+    # --- first weights: the trainer's newest announced version ---
     deadline = time.time() + cfg.run.peer_timeout_s
-    while not store.check(["cursor", "version"]):  # the trainer sets the cursor, then sends version 0
+    while not store.check(["cursor", "announced"]):  # the trainer sets the cursor, then announces version 0
         if time.time() > deadline:
             raise PeerTimeout(f"no weights announced by the trainer at {cfg.sync.host}:{cfg.sync.port} "
                               f"after {cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s)")
         await asyncio.sleep(0.01)
-    cursor, announced = int(store.get("cursor")), ws.announced_version(store)
+    cursor, n = int(store.get("cursor")), int(store.add("announced", 0))
+    announced = int(store.get(f"announce/{n}"))  # (get waits while the trainer is between its two writes)
+    announcements = Announcements(cfg, n + 1, loop, wake)
     loaded = await engines[0].get_weight_version()
     if loaded is not None and loaded.isdigit() and int(loaded) >= announced:  # a reused engine holds it
         st.version = int(loaded)
-    else:
-        st.version, _ = await update_weights(engines, announced, cfg.actor.recompute_kv, cfg.sync.timeout_s)
+    else:  # the newest announcement's broadcast is waiting for us
+        st.version = announced
+        await update_weights(engines, announced, cfg.actor.recompute_kv, cfg.sync.timeout_s)
     st.first_version = st.version
     next_group = cursor + proc_index
-    eval_task = None
-    last_eval = None
-    last_log = last_tick = last_done_check = time.time()
+    eval_task, last_eval = None, None
+    last_log = last_tick = last_drop_check = time.time()
     blocked_s = 0.0
-    pauses = []
 
     while not stop.is_set():
         if st.error is not None:
             raise st.error
-        # --- weights: an in-flight update when the trainer announced a newer version ---
-        announced = int(store.get("version"))  # one store round trip every POLL_S
-        if time.time() - last_done_check > 0.1:
-            last_done_check = time.time()
-            if store.check(["done"]):  # the trainer finished its last step: a normal end
-                store.add("done_ack", 1)  # the trainer keeps its store up until every actor has seen this
-                break
-        eval_done = eval_task is None or eval_task.done()
-        ready = cfg.actor.schedule == "pipeline" or st.inflight == 0  # conventional: between batches
-        if announced > st.version and eval_done and ready:
-            st.version, pause_s = await update_weights(engines, announced, cfg.actor.recompute_kv,
-                                                       cfg.sync.timeout_s)
+        if announcements.error is not None:
+            raise announcements.error
+        # --- weights: every announced broadcast, in order (conventional: only between RL steps) ---
+        if announcements.pending and announcements.pending[0] == "done":  # the trainer's last step: a normal end
+            store.add("done_ack", 1)  # the trainer keeps its store up until every actor has seen this
+            break
+        ready = cfg.actor.schedule == "pipeline" or st.inflight == 0
+        while announcements.pending and announcements.pending[0] != "done" and ready:
+            version = int(announcements.pending.pop(0))
+            stats, pause_s = await update_weights(engines, version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
+            st.version, st.updates = version, st.updates + 1
             pauses.append(pause_s)
-            st.updates += 1
+            wire_load.append((max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
             if cfg.actor.schedule == "conventional":
-                st.started = 0
+                st.started, st.dropped_at_update = 0, st.dropped
         if eval_task is not None and eval_task.done():
             eval_task.result()  # surface errors
-        # --- evaluation: the test split at this fixed version ---
-        if eval_done and cfg.actor.eval_every and test and (last_eval is None or
-                                                             st.version - last_eval >= cfg.actor.eval_every):
+        # --- evaluation: never waited for (simplification 3) ---
+        due = last_eval is None or st.version - last_eval >= cfg.actor.eval_every
+        if cfg.actor.eval_every and test and proc_index == 0 and due and (eval_task is None or eval_task.done()):
             last_eval = st.version
-            eval_task = asyncio.create_task(evaluate(cfg, engines, test, tokenizer, st.version))
+            eval_task = asyncio.create_task(evaluate(st.version))
         # --- admission: start groups while the lag budget allows ---
         now = time.time()
         was_blocked = False
         while st.inflight + cfg.actor.group_size <= cfg.actor.max_inflight * len(engines):  # H per engine
-            if not admit(cfg, st, procs):
+            if not admit(cfg, st, cfg.actor_procs):
+                if now - last_drop_check > 0.05:  # budget spent: samples given back since we last looked?
+                    last_drop_check = now
+                    st.dropped = int(store.add(f"dropped/{proc_index}", 0))
+                    if admit(cfg, st, cfg.actor_procs):
+                        continue
                 was_blocked = cfg.actor.schedule == "pipeline"  # free slots, but the lag budget is spent
                 break
-            gid, next_group = next_group, next_group + procs
+            gid, next_group = next_group, next_group + cfg.actor_procs
             problem = stream.get(gid)
             prompt = format_prompt(problem, tokenizer, cfg.data.prompt_format)
             e = min(range(len(engines)), key=lambda i: st.per_engine[i])
@@ -306,6 +389,7 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
                 tasks.add(asyncio.create_task(sample(e, problem, prompt, gid, k)))
             st.started += cfg.actor.group_size
             st.started_total += cfg.actor.group_size
+            store.add(f"started/{proc_index}", cfg.actor.group_size)  # for the trainer's "waiting for" message
         tasks = {t for t in tasks if not t.done()}
         blocked_s += (now - last_tick) if was_blocked else 0.0
         st.blocked_s += (now - last_tick) if was_blocked else 0.0
@@ -314,46 +398,33 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
         if now - last_log >= cfg.run.log_every:
             w, dt = st.window, now - last_log
             log("actor", {"tokens_per_s": w.get("tokens", 0) / dt, "samples_per_s": w.get("samples", 0) / dt,
+                          "engine_tokens_per_s": w.get("engine_tokens", 0) / dt,
                           "inflight": st.inflight, "version": st.version, "updates": st.updates,
                           "lag_min": w.get("lag_min", 0), "lag_max": w.get("lag_max", 0),
                           "lag_mean": w.get("lag_sum", 0) / max(1, w.get("tokens", 0)),
                           "pause_s_mean": float(np.mean(pauses)) if pauses else 0.0,
-                          "pause_s_max": max(pauses, default=0.0), "admission_blocked_s": blocked_s,
-                          "started": st.started_total, "pushed": st.pushed}, step=st.version)
-            st.window, pauses, blocked_s, last_log = {}, [], 0.0, now
-        await asyncio.sleep(POLL_S)
+                          "pause_s_max": max(pauses, default=0.0),
+                          "update_wire_s": float(np.mean([x[0] for x in wire_load])) if wire_load else 0.0,
+                          "update_load_s": float(np.mean([x[1] for x in wire_load])) if wire_load else 0.0,
+                          "admission_blocked_s": blocked_s, "started": st.started_total, "pushed": st.pushed,
+                          "dropped": st.dropped}, step=st.version)
+            st.window, pauses, wire_load, blocked_s, last_log = {}, [], [], 0.0, now
+        # --- sleep until a sample finishes, weights are announced, or a tick passes ---
+        wake.clear()
+        tick = 0.05 if was_blocked or (cfg.actor.schedule == "conventional" and not st.inflight) else cfg.run.log_every
+        try:
+            await asyncio.wait_for(wake.wait(), timeout=tick)
+        except asyncio.TimeoutError:
+            pass
 
-    for t in list(tasks) + ([eval_task] if eval_task else []):
+    if eval_task is not None:
+        eval_task.cancel()  # first: it would start more requests
+        await asyncio.gather(eval_task, return_exceptions=True)
+    for t in tasks:
         t.cancel()
-    await asyncio.gather(*tasks, *([eval_task] if eval_task else []), return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
     push.close()
     return st
-
-
-async def evaluate(cfg, engines, test, tokenizer, version: int):
-    """One attempt per test problem at `version` (the update waits for these requests)."""
-    t0 = time.time()
-    params = sampling_params(cfg, cfg.actor.eval_temperature)
-    outs = await asyncio.gather(*(
-        generate(engines[i % len(engines)], format_prompt(p, tokenizer, cfg.data.prompt_format), params,
-                 f"eval-{version}-{i}") for i, p in enumerate(test)))
-    items = [(o["text"], p.answer, p.task) for o, p in zip(outs, test)]
-    if all(p.task == "arithmetic" for p in test):  # cheap and safe in-process
-        from verifier import score
-        scores = [score(*it) for it in items]
-    else:  # math_verify: in the verifier's process pool, off the event loop
-        from verifier import ScorePool
-
-        def score_in_pool():  # the pool's workers live as long as the thread that starts them
-            with ScorePool(cfg.verifier.workers, cfg.verifier.timeout_s, cfg.verifier.max_chars) as pool:
-                return pool.score_many(items)
-        scores = await asyncio.to_thread(score_in_pool)
-    reward = float(np.mean([r for r, _ in scores]))
-    wall = time.time() - t0
-    log("actor", {"test_reward": reward, "eval_s": wall, "eval_n": len(test)}, step=version)
-    with open(cfg.run_dir / "eval.jsonl", "a") as f:
-        f.write(json.dumps({"version": version, "time": time.time(), "test_reward": reward, "n": len(test)}) + "\n")
-    return reward
 
 
 # --- entry point --------------------------------------------------------------------------------------------

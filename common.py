@@ -13,6 +13,7 @@
 """
 import dataclasses
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -119,6 +120,7 @@ class TrainerCfg:
     keep_checkpoints: int = 2
     init_from: str = ""
     activation_checkpointing: bool = False
+    logits_chunk: int = 1024
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class SyncCfg:
     port: int = 29601
     bucket_mb: float = 32.0
     timeout_s: float = 300.0
+    async_send: bool = True
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,14 @@ def validate(cfg: Config):
     if t.batch_size % a.group_size:
         raise ConfigError(f"trainer.batch_size={t.batch_size} must be a multiple of "
                           f"actor.group_size={a.group_size} (only complete groups are trained on)")
+    procs = cfg.actor_procs
+    per_version = cfg.samples_per_version if a.schedule == "conventional" else t.batch_size
+    if per_version % (procs * a.group_size):
+        raise ConfigError(f"{'trainer.batch_size*actor.G_steps' if a.schedule == 'conventional' else 'trainer.batch_size'}"
+                          f"={per_version} must split into whole groups of actor.group_size={a.group_size} over the "
+                          f"{procs} actor processes (NNODES - trainer.nnodes): each process starts an equal share")
+    if t.logits_chunk < 0:
+        raise ConfigError(f"trainer.logits_chunk={t.logits_chunk}: must be >= 0 (0 = all completion positions at once)")
     if t.batch_size % cfg.trainer_world:
         raise ConfigError(f"trainer.batch_size={t.batch_size} must be divisible by the trainer ranks "
                           f"(trainer.nproc*trainer.nnodes={cfg.trainer_world})")
@@ -372,7 +383,7 @@ class WireError(ValueError):
 
 _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float64": np.float64}
 _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, "answer": str,
-            "finish_reason": str, "t_start": float, "t_end": float}
+            "finish_reason": str, "t_start": float, "t_end": float, "proc": int, "eval": bool}
 _ROLLOUT_ARRAYS = {"prompt_ids": "int32", "completion_ids": "int32", "logprobs": "float32",
                    "versions": "int32"}
 SCHEMAS = {
@@ -431,20 +442,35 @@ def check_schema(kind: str, header: dict, arrays: dict):
         if key not in header:
             raise WireError(f"{kind}: missing field {key!r}")
         v = header[key]
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) if typ is float else \
-            isinstance(v, typ) and not isinstance(v, bool)
+        if typ is bool:
+            ok = isinstance(v, bool)
+        elif typ is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # JSON allows NaN
+        else:
+            ok = isinstance(v, typ) and not isinstance(v, bool)
         if not ok:
-            raise WireError(f"{kind}: field {key!r} should be {typ.__name__}, got {type(v).__name__}")
+            raise WireError(f"{kind}: field {key!r} should be a finite {typ.__name__}, got {v!r}")
     for key, dtype in arrays_.items():
         if key not in arrays:
             raise WireError(f"{kind}: missing array {key!r}")
         if arrays[key].dtype != _DTYPES[dtype] or arrays[key].ndim != 1:
             raise WireError(f"{kind}: array {key!r} must be 1-D {dtype}")
+        if dtype.startswith("float") and not np.isfinite(arrays[key]).all():
+            raise WireError(f"{kind}: array {key!r} holds non-finite values")
     n = len(arrays["completion_ids"])
     if len(arrays["logprobs"]) != n or len(arrays["versions"]) != n:
         raise WireError(f"{kind}: logprobs/versions must have one entry per completion token ({n})")
     if not 0 <= header["sample_idx"] < header["group_size"]:
         raise WireError(f"{kind}: sample_idx {header['sample_idx']} outside group of {header['group_size']}")
+
+
+def peek_header(frames) -> dict:
+    """The header of a message that failed `decode`, as far as it parses ({} if not): who sent it."""
+    try:
+        header = json.loads(bytes(frames[0]).decode("utf-8"))
+        return header if isinstance(header, dict) else {}
+    except (IndexError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
 
 
 def send(sock, header: dict, arrays: dict):

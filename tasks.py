@@ -30,6 +30,10 @@ ANSWER_MARK = "#"
 _ARITH_ANSWER = re.compile(r"#(\d+)\s*$")
 _TEST_SEED = 12345  # the arithmetic test split is fixed, whatever run.seed is
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+STATUSES = ("correct", "wrong", "no_answer", "unparsable", "timeout")  # what grading says of an answer
+TASKS = ("arithmetic", "math")
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")  # 1,234.5 or 1234.5
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,38 @@ def math_problems(source: str, split: str) -> list:
             raise SystemExit(f"{source}: each record needs 'problem' or 'question', and 'answer'; got {sorted(r)}")
         out.append(Problem(prompt=str(q), answer=gold_answer(r), task="math"))
     return out
+
+
+# --- grading -------------------------------------------------------------------------------------------
+# The task's knowledge of what a right answer is. The verifier runs these with time limits (ScorePool).
+
+def score(completion: str, answer: str, task: str):
+    """-> (reward, status) with the default table (correct 1.0, else 0.0). Pure, and no time limit of
+    its own: sympy can run for hours on a hostile answer, so call it through ScorePool."""
+    if task == "arithmetic":
+        pred = arithmetic_final_answer(completion)
+        if pred is None:
+            return 0.0, "no_answer"
+        return (1.0, "correct") if int(pred) == int(answer) else (0.0, "wrong")
+    if task != "math":
+        raise ValueError(f"unknown task {task!r}; known: {TASKS}")
+    pred = extract_boxed(completion)
+    if pred is None and _PLAIN_NUMBER.fullmatch(answer.strip().replace(",", "")):  # GSM8K-style gold
+        numbers = _NUMBER.findall(completion)
+        pred = numbers[-1].replace(",", "") if numbers else None
+    if pred is None:
+        return 0.0, "no_answer"
+    from math_verify import parse, verify  # lazy: only scoring processes pay for sympy
+    # Both sides go through the same \boxed{} wrapper, so that parse reads them alike. Timeouts None:
+    # math_verify's signal.alarm works in a main thread only (simplification 3).
+    gold = parse("\\boxed{" + answer + "}", parsing_timeout=None)
+    parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
+    if not parsed:
+        return 0.0, "unparsable"
+    if gold and verify(gold, parsed, timeout_seconds=None):
+        return 1.0, "correct"
+    # parse falls back to the raw string when sympy cannot read it: only an exact string match counts
+    return (0.0, "wrong") if any(not isinstance(p, str) for p in parsed) else (0.0, "unparsable")
 
 
 # --- the training stream and the test split -----------------------------------------------------------

@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 import common
 import loss
+import weights_sync
 
 # torch 2.13 marks the two collectives FSDP needs as deprecated (their successors don't exist in older torch).
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
@@ -261,6 +262,10 @@ class FSDP:
         """Clip by the global gradient norm, then AdamW (torch's formula) on this rank's shards. -> norm."""
         sq = torch.stack([u.shard.grad.pow(2).sum() for u in self.units]).sum()  # this rank's Σ g²
         norm = all_reduce(sq).sqrt().item()  # sync: the norm over all shards of all units
+        if not math.isfinite(norm):  # NaN/inf passes min(1, c/(norm+eps)): apply nothing (issue 13)
+            for u in self.units:
+                u.shard.grad = None
+            return norm
         coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0  # as torch's clip_grad_norm_
         b1, b2 = betas
         for u in self.units:
@@ -310,6 +315,7 @@ class TrainState:
     fsdp: FSDP
     step: int = 0  # optimizer steps taken = version of the current weights
     max_group_id: int = -1  # largest group_id trained on, all ranks (the actor resumes after it)
+    skipped: int = 0  # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
 
@@ -334,6 +340,7 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
             if device.type == "cuda":
                 torch.cuda.set_rng_state(sds[0]["rng_cuda"])
         state.step, state.max_group_id, state.samples = meta["step"], meta["max_group_id"], meta["samples"]
+        state.skipped = meta.get("skipped", 0)
     return state
 
 
@@ -375,34 +382,56 @@ def collate(samples, version, device):
     return {k: v.to(device) for k, v in out.items()}
 
 
+def completion_forward(model, x, cfg):
+    """Under the root unit (FSDP.run_root): decoder -> final hidden states -> lm_head at completion positions
+    only -> (2) log π and (3) entropy, scattered back to [B,T-1] (zeros elsewhere; masked out by the loss)."""
+    hidden = model.model(input_ids=x["input_ids"], use_cache=False).last_hidden_state[:, :-1]  # [B,T-1,D]
+    m = x["mask"]  # [B,T-1]
+    logprobs, entropy = loss.completion_logprobs(hidden[m], model.lm_head.weight, x["targets"][m],  # [N] each
+                                                 cfg.actor.temperature, cfg.actor.top_p, cfg.trainer.logits_chunk)
+    zeros = torch.zeros(m.shape, dtype=torch.float32, device=m.device)  # [B,T-1]
+    return zeros.masked_scatter(m, logprobs), zeros.masked_scatter(m, entropy)
+
+
 # --- train step --------------------------------------------------------------------------------------------
 
 def train_step(state: TrainState, samples, cfg) -> dict:
     """One optimizer step on this rank's share of the batch (B/W sample dicts: a sample message's header
-    fields and arrays). Every rank calls it together; the returned metrics are summed over ranks."""
+    fields and arrays). Every rank calls it together; the returned metrics are summed over ranks.
+
+    Only the work the loss needs: a sample whose advantage is 0 contributes exactly 0 to (5) and to its
+    gradient, so it is not run at all (most groups early on: all attempts right or all wrong); the
+    normaliser still counts every sequence of the step, so loss and gradient are those of the whole
+    batch. The lm_head runs at completion positions only, `trainer.logits_chunk` of them at a time
+    (loss.completion_logprobs). Diagnostics over tokens (ESS, KL, clamp fraction, entropy and their lag
+    buckets) therefore describe the sequences that carry gradient; lag min/mean/max, lag by position,
+    reward and sequence counts describe all of them. A non-finite gradient norm skips the update
+    (weights and AdamW moments unchanged, `skipped` counted); the step still consumes its batch and
+    counts as a version, which the trainer then does not broadcast."""
     t0 = time.time()
     tc, device, f64 = cfg.trainer, state.fsdp.device, torch.float64
     version = state.step  # the policy being trained; this step produces version + 1
     num_sequences = tc.batch_size  # loss normalizer: sequences in this optimizer step, all micro-batches, all ranks
-    batches = pack_micro_batches(samples, tc.micro_batch_tokens)
+    trained = [s for s in samples if float(s["advantage"]) != 0.0]
+    batches = pack_micro_batches(trained, tc.micro_batch_tokens)
     # Sync: every micro-batch is a fixed sequence of collectives, so all ranks run as many as the busiest
-    # one; the others add zero-weight micro-batches (mask all false: zero loss, zero gradient).
-    n_mb = int(all_reduce(torch.tensor([len(batches)], device=device), dist.ReduceOp.MAX).item())
+    # one (at least one, so that every shard gets a gradient); the others add zero-weight micro-batches
+    # (mask all false: zero loss, zero gradient).
+    n_mb = max(1, int(all_reduce(torch.tensor([len(batches)], device=device), dist.ReduceOp.MAX).item()))
     batches += [[] for _ in range(n_mb - len(batches))]
     sums = {}
     for mb in batches:
         x = collate(mb, version, device)
-        logits = state.model(input_ids=x["input_ids"], use_cache=False).logits[:, :-1]  # [B,T-1,V]
-        logprobs = loss.token_logprobs(logits, x["targets"], cfg.actor.temperature)  # [B,T-1]
-        with torch.no_grad():
-            entropy = loss.entropy_from_logits(logits, cfg.actor.temperature)  # [B,T-1]
+        logprobs, entropy = state.fsdp.run_root(completion_forward, state.model, x, cfg)  # [B,T-1] each
         mb_loss, stats = loss.policy_loss(logprobs, x["old_logprobs"], x["advantages"], x["mask"], num_sequences,
                                           is_clamp=tc.is_clamp, entropy=entropy, lags=x["lags"])
         mb_loss.backward()  # reduce-scatters each unit's gradient into its shard, accumulating over micro-batches
         stats["loss"] = mb_loss.detach().to(f64)
         for k, v in stats.items():
             sums[k] = sums[k] + v if k in sums else v
-    grad_norm = state.fsdp.clip_and_step(state.step + 1, tc.lr, tc.betas, tc.eps, tc.weight_decay, tc.grad_clip)
+    grad_norm = state.fsdp.clip_and_step(state.step + 1 - state.skipped, tc.lr, tc.betas, tc.eps, tc.weight_decay,
+                                         tc.grad_clip)
+    state.skipped += not math.isfinite(grad_norm)
     state.step += 1
     train_s = time.time() - t0
 
@@ -411,7 +440,8 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     lags = [version - s["versions"].astype(np.int64) for s in samples]  # per sample [C]
     pos = [np.minimum(np.arange(len(lag)) * P // cfg.actor.max_tokens, P - 1) for lag in lags]  # per sample [C]
     lags, pos = (np.concatenate(x + [np.zeros(0, np.int64)]) for x in (lags, pos))  # [N_tok] each
-    host = {"sequences": len(samples), "reward_sum": sum(float(s["reward"]) for s in samples),
+    host = {"sequences": len(samples), "trained_sequences": len(trained),
+            "reward_sum": sum(float(s["reward"]) for s in samples),
             "all_tokens": sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
             "malformed": state.malformed, "lag_sum": lags.sum(),
             "pos_lag_sum": np.bincount(pos, weights=lags, minlength=P), "pos_tokens": np.bincount(pos, minlength=P)}
@@ -434,7 +464,8 @@ def train_step(state: TrainState, samples, cfg) -> dict:
                "lag_min": -hi[1] if s["tokens"] else 0.0, "lag_mean": s["lag_sum"] / tok,
                "lag_max": hi[0] if s["tokens"] else 0.0, "reward_mean": s["reward_sum"] / max(s["sequences"], 1),
                "tokens": s["tokens"], "tokens_per_s": s["all_tokens"] / train_s, "train_s": train_s,
-               "micro_batches": n_mb, "malformed": s["malformed"]}
+               "micro_batches": n_mb, "malformed": s["malformed"], "trained_sequences": s["trained_sequences"],
+               "skipped_steps": state.skipped, "step_skipped": int(not math.isfinite(grad_norm))}
     for i, label in enumerate(loss.LAG_BUCKET_LABELS):  # paper Fig. 7: off-policyness by lag
         n = s["bucket_tokens"][i]
         if n:  # an absent bucket had no tokens
@@ -449,12 +480,28 @@ def train_step(state: TrainState, samples, cfg) -> dict:
 
 # --- weights and checkpoints ----------------------------------------------------------------------------------
 
-def send_weights(state, sender, version) -> float:
-    """All ranks gather each unit in turn; rank 0 alone broadcasts it to the actor. -> seconds."""
+def send_weights(state, sender, cfg, wait=False) -> float:
+    """The current weights to the actors. All ranks gather each unit in turn; rank 0 broadcasts it
+    (sync.async_send=false), or copies it for its AsyncSender thread, which broadcasts while the next
+    step trains. An asynchronous send that finds the thread still busy with the previous version is
+    skipped (only the newest weights travel), unless `wait`: the conventional schedule's actor idles
+    until it has these weights, and version 0 must reach it. -> seconds on the training loop's path."""
     t0 = time.time()
+    if cfg.sync.async_send and cfg.weight_world > 1:
+        if sender is not None:
+            sender.check()  # a failed broadcast (e.g. a dead actor) stops the run here, named
+            if wait:
+                sender.idle.wait()
+        busy = torch.tensor([float(sender is not None and not sender.idle.is_set())], device=state.fsdp.device)
+        if all_reduce(busy, dist.ReduceOp.MAX).item():  # sync: every rank follows rank 0's choice
+            return time.time() - t0
     named = ((n, t) for unit in state.fsdp.full_units(state.fsdp.dtype) for n, t in unit.items())
-    if sender is not None:
-        sender.send(version, named, state.fsdp.manifest(state.fsdp.dtype))
+    manifest = state.fsdp.manifest(state.fsdp.dtype)
+    if isinstance(sender, weights_sync.AsyncSender):
+        sender.stage(named, manifest)
+        sender.submit(state.step)
+    elif sender is not None:
+        sender.send(state.step, named, manifest)
     else:
         for _ in named:  # the other ranks' part of each unit's all-gather
             pass
@@ -504,7 +551,7 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
             tokenizer.save_pretrained(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(
             {"step": state.step, "version": state.step, "max_group_id": state.max_group_id,
-             "samples": state.samples, "world_size": world(), "time": time.time()}))
+             "samples": state.samples, "skipped": state.skipped, "world_size": world(), "time": time.time()}))
     barrier()  # sync: every rank's optimizer shard is on disk before COMPLETE
     if is_main():
         for f in tmp.iterdir():
@@ -523,8 +570,10 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
 
 # --- samples ---------------------------------------------------------------------------------------------------
 
-def pull_samples(sock, n, state, cfg, addr, vocab_size):
-    """Block until this rank holds n samples. -> (samples, seconds waited). Malformed ones are counted."""
+def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
+    """Block until this rank holds n samples. -> (samples, seconds waited). A malformed one (bad schema,
+    non-finite numbers, ids outside the vocabulary) is dropped, counted, and given back to its actor's
+    admission budget through the store (key dropped/<proc>), so that the actor replaces it."""
     out, waited, last = [], 0.0, time.time()
     while len(out) < n:
         t0 = time.time()
@@ -533,20 +582,36 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size):
         if not ready:
             if time.time() - last > cfg.run.peer_timeout_s:
                 sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
-                         f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s): is verifier.py running?")
+                         f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(out)} of {n} here; "
+                         f"{waiting_for(store, cfg, state)}")
             continue
         last = time.time()
+        frames = sock.recv_multipart()
         try:
-            header, arrays = common.recv(sock, "sample")
+            header, arrays = common.decode(frames, "sample")
             ids = np.concatenate([arrays["prompt_ids"], arrays["completion_ids"]])
             if len(arrays["prompt_ids"]) == 0 or ids.min(initial=0) < 0 or ids.max(initial=0) >= vocab_size:
                 raise common.WireError("empty prompt or token id outside the vocabulary")
         except common.WireError as e:
             state.malformed += 1
             print(f"[trainer] rank {rank()}: dropped a malformed sample ({e})", flush=True)
+            proc = common.peek_header(frames).get("proc")
+            if store is not None and isinstance(proc, int):
+                store.add(f"dropped/{proc}", 1)
             continue
         out.append({**header, **arrays})
     return out, waited
+
+
+def waiting_for(store, cfg, state) -> str:
+    """What the actors started and what was dropped on the way (the store's counters), for error messages."""
+    if store is None:
+        return "is verifier.py running?"
+    started = sum(int(store.add(f"started/{p}", 0)) for p in range(cfg.actor_procs))
+    dropped = sum(int(store.add(f"dropped/{p}", 0)) for p in range(cfg.actor_procs))
+    return (f"the actors started {started} samples, {dropped} were dropped on the way (verifier/trainer), so "
+            f"{started - dropped} can reach the trainer, which consumed {state.step * cfg.trainer.batch_size}: "
+            f"is verifier.py running, and actor.py? (logs/verifier.log, logs/actor.log)")
 
 
 # --- main ------------------------------------------------------------------------------------------------------
@@ -577,15 +642,18 @@ def main():
             pass
 
     # --- weight group: trainer rank 0 + every vLLM worker; version 0 (or the checkpoint's) goes out first ---
-    sender = None
+    sender = store = None
     if is_main() and cfg.weight_world > 1:
-        import weights_sync
         store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, True, cfg.sync.timeout_s)
         store.set("cursor", str(state.max_group_id + 1))  # the actor's first prompt: after the last trained group
         pg = weights_sync.init_group(store, 0, cfg.weight_world, "nccl" if device.type == "cuda" else "gloo",
                                      cfg.sync.timeout_s)
         sender = weights_sync.WeightSender(store, pg, cfg.sync.bucket_mb)
-    send_weights(state, sender, state.step)
+        if cfg.sync.async_send:
+            sender = weights_sync.AsyncSender(sender)
+    elif cfg.weight_world > 1:  # the other ranks report the samples they drop (pull_samples) on the same store
+        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.sync.timeout_s)
+    send_weights(state, sender, cfg, wait=True)
 
     # --- samples: each rank pulls its own share from the verifier ---
     import zmq
@@ -604,7 +672,7 @@ def main():
             # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL step with one
             # policy before its first optimizer step; PipelineRL (G_steps=1) steps as soon as B are here.
             steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
-            pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr, vocab_size)
+            pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr, vocab_size, store)
             batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
         else:
             wait_s = 0.0
@@ -612,8 +680,11 @@ def main():
         trained_version = state.step
         metrics = train_step(state, samples, cfg)
         broadcast_s = 0.0
-        if state.step % cfg.actor.G_steps == 0:  # conventional RL: new weights once per G_steps optimizer steps
-            broadcast_s = send_weights(state, sender, state.step)
+        conventional = cfg.actor.schedule == "conventional"
+        # Pipeline: after every applied step. Conventional: once per RL step (G_steps steps), even when its last
+        # step was skipped (the actor waits for this broadcast to start the next RL step).
+        if state.step % cfg.actor.G_steps == 0 and (conventional or not metrics["step_skipped"]):
+            broadcast_s = send_weights(state, sender, cfg, wait=conventional)
         now = time.time()
         metrics.update(wait_s=wait_s, broadcast_s=broadcast_s, samples_per_s=cfg.trainer.batch_size / (now - t_prev),
                        samples_total=state.samples)
@@ -633,9 +704,13 @@ def main():
     if not (cfg.run_dir / "checkpoints" / f"step-{state.step}" / "COMPLETE").is_file():
         save_checkpoint(state, cfg, tokenizer)
     if sender is not None:
-        sender.store.set("done", "1")  # the actors poll this and exit 0 (run.sh then ends the run)
+        if isinstance(sender, weights_sync.AsyncSender):
+            sender.close()  # sync: the broadcast in flight completes (the actors receive until "done")
+            sender = sender.sender
+        store.set("done", "1")
+        sender.announce("done")  # the actors exit 0 on this (run.sh then ends the run)
         deadline = time.time() + 30   # this process hosts the store: keep it up until they have seen it
-        while sender.store.add("done_ack", 0) < cfg.actor_procs and time.time() < deadline:
+        while store.add("done_ack", 0) < cfg.actor_procs and time.time() < deadline:
             time.sleep(0.1)
     if is_main():
         common.log("trainer", {"done": 1, "steps": state.step, "samples_total": state.samples,

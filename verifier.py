@@ -4,85 +4,56 @@ Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from t
 Produces  ZMQ PUSH bound on ports.host:ports.samples: one `sample` per rollout of a complete group, the
           rollout's header + `reward` (float), `status` (str), `advantage` (float), its arrays unchanged
           (prompt_ids, completion_ids, logprobs, versions). Trainer ranks connect PULL sockets; ZMQ
-          spreads the samples across them.
+          spreads the samples across them. Evaluation rollouts (`eval`: true; a "group" = one pass over
+          the test split) are graded into <run.dir>/eval.jsonl instead: version (when the evaluation
+          started), versions [oldest, newest] (the policies that produced its tokens), test_reward, n.
+          Samples it drops (zero-advantage groups when asked, malformed rollouts, groups still incomplete
+          after verifier.stale_group_s) are given back to their actor's admission budget through the
+          trainer's store (key dropped/<proc>), so that the actor starts replacements.
 Metrics   <run.dir>/metrics_verifier.jsonl every run.log_every seconds (step = groups forwarded so far).
 
 Run alone:  python verifier.py [section.key=value ...]    e.g. python verifier.py run.dir=runs/v ports.rollouts=5555
-            (then PUSH rollouts with common.send to ports.rollouts and PULL samples from ports.samples).
+            (then PUSH rollouts with common.send to ports.rollouts and PULL samples from ports.samples;
+            a drop needs the trainer's store at sync.host:sync.port).
 
-Scoring: `score(completion, answer, task) -> (reward, status)`, status one of STATUSES. `arithmetic`: the
-`#123` final line, exact integer match. `math`: the last \\boxed{...} (else, when the gold is a plain
-number as in GSM8K, the last number in the text) compared with math_verify, so equivalent forms count
-(\\frac{1}{2} = 0.5, 2\\sqrt{2} = \\sqrt{8}, intervals, sets). It runs in `ScorePool` (the actor reuses it
-for test evaluation): worker processes with a per-item limit; a worker that hangs (sympy on a hostile
-answer) or dies is killed and replaced, the item scores `timeout`, and the service goes on.
+Grading is the task's (tasks.score); this service runs it in `ScorePool`: worker processes with a
+per-item limit; a worker that hangs (sympy on a hostile answer) or dies is killed and replaced, the item
+scores `timeout`, and the service goes on.
 
 Deliberate simplifications:
- 1. One verifier process, state in memory: a restart loses the groups in progress (the trainer simply
-    trains on later groups). Incomplete groups are logged once when stale, never evicted.
+ 1. One verifier process, state in memory: a restart loses the groups in progress (their samples are
+    never given back: restart the run, or resume it).
  2. Advantage = r - group mean, no std division (the paper's released code); reward from the config's
     table plus DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
  3. math_verify's own timeouts (signal.alarm: main thread only, DESIGN.md trap) are off; the pool's
     limit kills the worker instead, which costs a worker restart (~1 s) per timeout.
  4. Workers are plain subprocesses speaking JSON lines over pipes, not multiprocessing: a spawn pool
-    would re-import the caller's __main__ (the actor, with vLLM) in every worker.
+    would re-import the caller's __main__ in every worker.
  5. Late duplicates of an already forwarded group are recognised for the last 100k groups only.
 """
 import contextlib
 import json
 import os
-import re
 import select
 import signal
 import subprocess
 import sys
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
 
 import common
 import tasks
+from loss import group_advantages
 
-STATUSES = ("correct", "wrong", "no_answer", "unparsable", "timeout")
-TASKS = ("arithmetic", "math")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")  # 1,234.5 or 1234.5
 _FINISHED_KEPT = 100_000  # group ids remembered to catch late duplicates (simplification 5)
 
 
 # --- scoring ----------------------------------------------------------------------------------------
-
-def score(completion: str, answer: str, task: str):
-    """-> (reward, status) with the default table (correct 1.0, else 0.0). Pure, and no time limit of
-    its own: sympy can run for hours on a hostile answer, so call it through ScorePool."""
-    if task == "arithmetic":
-        pred = tasks.arithmetic_final_answer(completion)
-        if pred is None:
-            return 0.0, "no_answer"
-        return (1.0, "correct") if int(pred) == int(answer) else (0.0, "wrong")
-    if task != "math":
-        raise ValueError(f"unknown task {task!r}; known: {TASKS}")
-    pred = tasks.extract_boxed(completion)
-    if pred is None and _PLAIN_NUMBER.fullmatch(answer.strip().replace(",", "")):  # GSM8K-style gold
-        numbers = _NUMBER.findall(completion)
-        pred = numbers[-1].replace(",", "") if numbers else None
-    if pred is None:
-        return 0.0, "no_answer"
-    from math_verify import parse, verify  # lazy: only scoring processes pay for sympy
-    # Both sides go through the same \boxed{} wrapper, so that parse reads them alike. Timeouts None:
-    # math_verify's signal.alarm works in a main thread only (simplification 3).
-    gold = parse("\\boxed{" + answer + "}", parsing_timeout=None)
-    parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
-    if not parsed:
-        return 0.0, "unparsable"
-    if gold and verify(gold, parsed, timeout_seconds=None):
-        return 1.0, "correct"
-    # parse falls back to the raw string when sympy cannot read it: only an exact string match counts
-    return (0.0, "wrong") if any(not isinstance(p, str) for p in parsed) else (0.0, "unparsable")
-
 
 def reward_for(status: str, v: common.VerifierCfg, n_tokens: int, max_tokens: int) -> float:
     """The config's reward table, then DAPO's overlong penalty: linear from 0 at
@@ -110,7 +81,7 @@ def _worker_loop():
     out.write(b"ready\n")
     for line in sys.stdin.buffer:
         try:
-            reward, status = score(*json.loads(line))
+            reward, status = tasks.score(*json.loads(line))
         except Exception as e:  # our bug or a bad gold: one answer must never stop the worker
             print(f"[verifier] scoring error {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             reward, status = 0.0, "unparsable"
@@ -233,6 +204,126 @@ class ScorePool:
 
 # --- the service --------------------------------------------------------------------------------------
 
+@dataclass
+class Groups:
+    """Rollouts on their way to becoming samples. A key is (eval, group_id): eval passes and training
+    groups have separate id spaces."""
+    open: dict = field(default_factory=dict)  # key -> {"size", "t0", "proc", "seen": {idx}, "scored": {idx: (h, a)}}
+    finished: OrderedDict = field(default_factory=OrderedDict)  # keys forwarded or dropped (simplification 5)
+    scoring: dict = field(default_factory=dict)  # pool ticket -> (header, arrays)
+    outbox: deque = field(default_factory=deque)  # encoded samples waiting for a trainer rank
+    counts: dict = field(default_factory=lambda: {
+        "groups_forwarded": 0, "zero_adv_groups": 0, "dropped_groups": 0, "dropped_samples": 0, "duplicates": 0,
+        "malformed": 0, "stale_groups": 0, "evaluations": 0, **{f"status_{s}": 0 for s in tasks.STATUSES}})
+
+    def close(self, key):
+        self.open.pop(key, None)
+        self.finished[key] = None
+        if len(self.finished) > _FINISHED_KEPT:
+            self.finished.popitem(last=False)
+
+    def drop(self, key, proc: int, size: int, report):
+        """A training group that will not be forwarded: its samples go back to actor `proc`'s budget; results
+        of its samples still being scored are ignored, samples still to come are late duplicates."""
+        self.close(key)
+        for ticket, x in self.scoring.items():
+            if x is not None and (x[0]["eval"], x[0]["group_id"]) == key:
+                self.scoring[ticket] = None
+        if not key[0]:
+            self.counts["dropped_groups"] += 1
+            self.counts["dropped_samples"] += size
+            report(proc, size)
+
+
+class DropReporter:
+    """Gives dropped samples back to their actor's admission budget (store key dropped/<proc>); the
+    store connection is made at the first drop (the trainer hosts the store, and starts after us)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.store = cfg, None
+
+    def __call__(self, proc: int, n: int):
+        if self.store is None:
+            import weights_sync
+            self.store = weights_sync.create_store(self.cfg.sync.host, self.cfg.sync.port, False,
+                                                   self.cfg.run.peer_timeout_s)
+        self.store.add(f"dropped/{proc}", n)
+
+
+def receive(sock, g: Groups, pool, tokenizer, drop, limit: int):
+    """Read rollouts while the pool has room: check, decode, hand to the pool. A malformed rollout whose
+    sender and group are known drops its whole group (it can never complete)."""
+    while pool.busy() < limit and sock.poll(0):
+        frames = sock.recv_multipart()
+        try:
+            header, arrays = common.decode(frames, "rollout")
+            key, idx = (header["eval"], header["group_id"]), header["sample_idx"]
+            if key in g.finished or idx in g.open.get(key, {}).get("seen", ()):
+                g.counts["duplicates"] += 1
+                continue
+            if key in g.open and header["group_size"] != g.open[key]["size"]:
+                raise common.WireError(f"group {key[1]}: group_size {header['group_size']} != "
+                                       f"{g.open[key]['size']} of its first sample")
+            if header["task"] not in tasks.TASKS:
+                raise common.WireError(f"unknown task {header['task']!r}")
+            try:
+                text = tokenizer.decode(arrays["completion_ids"].tolist(), skip_special_tokens=True)
+            except Exception as e:  # ids outside the vocabulary
+                raise common.WireError(f"completion_ids do not decode: {e}") from e
+        except common.WireError as e:
+            g.counts["malformed"] += 1
+            print(f"[verifier] dropped a malformed rollout: {e}", flush=True)
+            h = common.peek_header(frames)
+            known = all(isinstance(h.get(k), int) and not isinstance(h.get(k), bool)
+                        for k in ("group_id", "group_size", "proc"))
+            key = (h.get("eval") is True, h.get("group_id"))
+            if known and not key[0] and key not in g.finished and h["group_size"] >= 1:
+                g.drop(key, h["proc"], h["group_size"], drop)  # it can never complete
+            continue
+        group = g.open.setdefault(key, {"size": header["group_size"], "t0": time.monotonic(), "proc": header["proc"],
+                                        "seen": set(), "scored": {}, "stale": False})
+        group["seen"].add(idx)
+        g.scoring[pool.submit(text, header["answer"], header["task"])] = (header, arrays)
+
+
+def complete(g: Groups, key, cfg, drop, window):
+    """A complete group: training -> advantages -> samples in the outbox (or dropped); eval -> eval.jsonl."""
+    group = g.open[key]
+    g.close(key)
+    members = [group["scored"][i] for i in range(group["size"])]
+    rewards = [h["reward"] for h, _ in members]
+    if key[0]:  # an evaluation pass over the test split (actor.py, simplification 3)
+        versions = np.concatenate([a["versions"] for _, a in members])
+        record = {"version": key[1], "versions": [int(versions.min(initial=key[1])), int(versions.max(initial=key[1]))],
+                  "time": time.time(), "test_reward": float(np.mean(rewards)), "n": len(members),
+                  "eval_s": max(h["t_end"] for h, _ in members) - min(h["t_start"] for h, _ in members)}
+        with open(cfg.run_dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        g.counts["evaluations"] += 1
+        window["evals"].append(record)
+        return
+    advantages = group_advantages(rewards, group["size"]).tolist()  # loss.py (1): r - group mean
+    if max(rewards) == min(rewards):  # every advantage is 0: no gradient from this group
+        g.counts["zero_adv_groups"] += 1
+        if cfg.verifier.drop_zero_adv_groups:
+            g.drop(key, group["proc"], group["size"], drop)
+            return
+    for (h, a), advantage in zip(members, advantages):
+        g.outbox.append(common.encode({**h, "advantage": advantage}, a))
+    g.counts["groups_forwarded"] += 1
+
+
+def drop_stale(g: Groups, cfg, drop):
+    """Groups still incomplete after verifier.stale_group_s (a sample lost on the way) are dropped."""
+    now = time.monotonic()
+    for key, group in list(g.open.items()):
+        if now - group["t0"] > cfg.verifier.stale_group_s:
+            print(f"[verifier] group {key[1]} still incomplete after {now - group['t0']:.0f} s "
+                  f"({len(group['seen'])}/{group['size']} samples received): dropped", flush=True)
+            g.counts["stale_groups"] += 1
+            g.drop(key, group["proc"], group["size"], drop)
+
+
 def main():
     cfg = common.parse_argv()
     v = cfg.verifier
@@ -241,7 +332,6 @@ def main():
     import torch  # only for loss.group_advantages; one thread, the cores belong to the other roles
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
-    from loss import group_advantages
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
 
     # --- sockets and scoring pool ---
@@ -255,124 +345,79 @@ def main():
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
-
-    groups = {}  # group_id -> {"size", "t0", "seen": {sample_idx}, "scored": {sample_idx: (header, arrays)}}
-    finished = OrderedDict()  # group ids already forwarded or dropped (simplification 5)
-    scoring = {}  # pool ticket -> (header, arrays)
-    outbox = deque()  # encoded samples waiting for a trainer rank (PUSH blocks with no PULL connected)
-    counts = {"groups_forwarded": 0, "zero_adv_groups": 0, "dropped_groups": 0, "duplicates": 0,
-              "malformed": 0, "stale_groups": 0, **{f"status_{s}": 0 for s in STATUSES}}
-    window = {"samples": 0, "rewards": [], "latency": [], "t": time.monotonic()}
+    g, drop = Groups(), DropReporter(cfg)
+    window = {"samples": 0, "rewards": [], "latency": [], "evals": [], "t": time.monotonic()}
     print(f"[verifier] rollouts <- {host}:{cfg.ports.rollouts}, samples -> {host}:{cfg.ports.samples}, "
           f"{v.workers} scoring workers", flush=True)
 
-    while True:
+    while not stopping:
         # Backpressure: stop reading rollouts while the pool or the outbox is full; ZMQ then queues
-        # them up to its high-water mark and the actor's PUSH waits.
+        # them up to its high-water mark and the actor's PUSH waits (without blocking its loop).
+        room = len(g.outbox) < 4 * cfg.trainer.batch_size
         poller = zmq.Poller()
-        if pool.busy() < 2 * v.workers and len(outbox) < 4 * cfg.trainer.batch_size:
+        if room and pool.busy() < 2 * v.workers:
             poller.register(rollouts_sock, zmq.POLLIN)
-        if outbox:
+        if g.outbox:
             poller.register(samples_sock, zmq.POLLOUT)
         for fd in pool.fds():
             poller.register(fd, zmq.POLLIN)
-        events = dict(poller.poll(50))  # 50 ms: also the granularity of the per-item time limit
+        poller.poll(50)  # 50 ms: also the granularity of the per-item time limit
 
         # --- receive rollouts ---
-        while rollouts_sock in events and pool.busy() < 2 * v.workers and rollouts_sock.poll(0):
-            try:
-                header, arrays = common.recv(rollouts_sock, "rollout")
-                gid, idx = header["group_id"], header["sample_idx"]
-                if gid in finished or idx in groups.get(gid, {}).get("seen", ()):
-                    counts["duplicates"] += 1
-                    continue
-                if gid in groups and header["group_size"] != groups[gid]["size"]:
-                    raise common.WireError(f"group {gid}: group_size {header['group_size']} != "
-                                           f"{groups[gid]['size']} of its first sample")
-                if header["task"] not in TASKS:
-                    raise common.WireError(f"unknown task {header['task']!r}")
-                try:
-                    text = tokenizer.decode(arrays["completion_ids"].tolist(), skip_special_tokens=True)
-                except Exception as e:  # ids outside the vocabulary
-                    raise common.WireError(f"completion_ids do not decode: {e}") from e
-            except common.WireError as e:
-                counts["malformed"] += 1
-                print(f"[verifier] dropped a malformed rollout: {e}", flush=True)
-                continue
-            group = groups.setdefault(gid, {"size": header["group_size"], "t0": time.monotonic(),
-                                            "seen": set(), "scored": {}, "stale": False})
-            group["seen"].add(idx)
-            scoring[pool.submit(text, header["answer"], header["task"])] = (header, arrays)
-
-        # --- score ---
+        if room:
+            receive(rollouts_sock, g, pool, tokenizer, drop, 2 * v.workers)
+        # --- score; complete groups -> advantages -> samples ---
         for ticket, _, status, seconds in pool.collect(0):
-            header, arrays = scoring.pop(ticket)
-            reward = reward_for(status, v, len(arrays["completion_ids"]), cfg.actor.max_tokens)
-            header.update(reward=reward, status=status)
-            counts[f"status_{status}"] += 1
-            window["rewards"].append(reward)
-            window["latency"].append(seconds)
-            group = groups[header["group_id"]]
-            group["scored"][header["sample_idx"]] = (header, arrays)
-            if len(group["scored"]) < group["size"]:
+            if g.scoring.get(ticket, 0) is None:  # its group was dropped meanwhile
+                del g.scoring[ticket]
                 continue
-
-            # --- complete group -> advantages -> samples ---
-            gid = header["group_id"]
-            del groups[gid]
-            finished[gid] = None
-            if len(finished) > _FINISHED_KEPT:
-                finished.popitem(last=False)
-            members = [group["scored"][i] for i in range(group["size"])]
-            rewards = [h["reward"] for h, _ in members]
-            advantages = group_advantages(rewards, group["size"]).tolist()  # loss.py (1): r - group mean
-            if max(rewards) == min(rewards):  # every advantage is 0: no gradient from this group
-                counts["zero_adv_groups"] += 1
-                if v.drop_zero_adv_groups:
-                    counts["dropped_groups"] += 1
-                    continue
-            for (h, a), advantage in zip(members, advantages):
-                outbox.append(common.encode({**h, "advantage": advantage}, a))
-            counts["groups_forwarded"] += 1
-
+            header, arrays = g.scoring.pop(ticket)
+            header.update(reward=reward_for(status, v, len(arrays["completion_ids"]), cfg.actor.max_tokens),
+                          status=status)
+            g.counts[f"status_{status}"] += 1
+            window["rewards"].append(header["reward"])
+            window["latency"].append(seconds)
+            key = (header["eval"], header["group_id"])
+            g.open[key]["scored"][header["sample_idx"]] = (header, arrays)  # (a dropped group's results are None)
+            if len(g.open[key]["scored"]) == g.open[key]["size"]:
+                complete(g, key, cfg, drop, window)
         # --- send samples ---
-        while outbox and samples_sock.poll(0, zmq.POLLOUT):
+        while g.outbox and samples_sock.poll(0, zmq.POLLOUT):
             try:
-                samples_sock.send_multipart(outbox[0], zmq.NOBLOCK, copy=False)
+                samples_sock.send_multipart(g.outbox[0], zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            outbox.popleft()
+            g.outbox.popleft()
             window["samples"] += 1
-
         # --- metrics ---
         now = time.monotonic()
-        if now - window["t"] >= cfg.run.log_every or stopping:
-            for gid, g in groups.items():
-                if not g["stale"] and now - g["t0"] > v.stale_group_s:
-                    g["stale"] = True
-                    counts["stale_groups"] += 1
-                    print(f"[verifier] group {gid} still incomplete after {now - g['t0']:.0f} s "
-                          f"({len(g['seen'])}/{g['size']} samples received)", flush=True)
-            metrics = {"samples_per_s": window["samples"] / (now - window["t"]),
-                       "queue_depth": sum(len(g["seen"]) for g in groups.values()),
-                       "scoring": pool.busy(), "outbox": len(outbox), "worker_restarts": pool.restarts,
-                       **counts}
-            if window["rewards"]:
-                latency_ms = 1000 * np.array(window["latency"])
-                metrics.update(reward_mean=float(np.mean(window["rewards"])),
-                               score_ms_p50=float(np.percentile(latency_ms, 50)),
-                               score_ms_p99=float(np.percentile(latency_ms, 99)))
-            common.log("verifier", metrics, counts["groups_forwarded"])
-            window = {"samples": 0, "rewards": [], "latency": [], "t": now}
-        if stopping:
-            break
+        if now - window["t"] >= cfg.run.log_every:
+            drop_stale(g, cfg, drop)
+            log_window(g, pool, window, now)
+            window = {"samples": 0, "rewards": [], "latency": [], "evals": [], "t": now}
 
     # --- shutdown (SIGTERM / SIGINT) ---
+    log_window(g, pool, window, time.monotonic())
     pool.close()
     rollouts_sock.close(linger=0)
     samples_sock.close(linger=1000)  # give samples already handed to ZMQ a second to reach a trainer
     ctx.term()
-    print(f"[verifier] stopped; {len(outbox)} samples unsent, {len(groups)} groups incomplete", flush=True)
+    print(f"[verifier] stopped; {len(g.outbox)} samples unsent, {len(g.open)} groups incomplete", flush=True)
+
+
+def log_window(g: Groups, pool, window, now):
+    metrics = {"samples_per_s": window["samples"] / max(now - window["t"], 1e-9),
+               "queue_depth": sum(len(x["seen"]) for x in g.open.values()),
+               "scoring": pool.busy(), "outbox": len(g.outbox), "worker_restarts": pool.restarts, **g.counts}
+    if window["rewards"]:
+        latency_ms = 1000 * np.array(window["latency"])
+        metrics.update(reward_mean=float(np.mean(window["rewards"])),
+                       score_ms_p50=float(np.percentile(latency_ms, 50)),
+                       score_ms_p99=float(np.percentile(latency_ms, 99)))
+    if window["evals"]:
+        e = window["evals"][-1]
+        metrics.update(test_reward=e["test_reward"], test_version=e["version"], eval_s=e["eval_s"])
+    common.log("verifier", metrics, g.counts["groups_forwarded"])
 
 
 if __name__ == "__main__":

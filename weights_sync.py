@@ -4,8 +4,10 @@ Consumes: the trainer's `(hf_name, full_tensor)` iterator (one sharding unit gat
 Produces: the same tensors inside every vLLM worker, loaded with the worker's `reload_weights`.
 
 - Rendezvous: a `TCPStore` at `sync.host:sync.port` whose master is trainer rank 0. Top-level keys
-  `cursor` (prompt index the actor starts at) and `version` (set by `WeightSender.send(v)` just before
-  broadcasting v; the actor polls it). The group itself lives under `PrefixStore("weights", store)`.
+  `cursor` (prompt index the actor starts at); `announced` (n, a counter) and `announce/<n>` (the version
+  of the n-th broadcast, written just before it starts, or "done"): the actor blocks on the next key,
+  never polls; `version` (the newest announced version). The group itself lives under
+  `PrefixStore("weights", store)`.
 - Ranks: 0 = trainer rank 0; 1 + (proc*engines + e)*tp + k = TP rank k of engine e of actor process proc.
 - One update = header, then buckets. Header: an int64 length, then that many bytes of UTF-8 JSON
   (never pickle) holding the version, the manifest (name, shape, dtype) and the bucket layout (bucket
@@ -27,6 +29,8 @@ import datetime
 import glob
 import json
 import os
+import queue
+import threading
 import time
 
 import torch
@@ -105,6 +109,7 @@ class WeightSender:
 
     def __init__(self, store, pg, bucket_mb: float):
         self.store, self.pg = store, pg
+        self.announced = int(store.add("announced", 0))
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.device = _device(pg)
         self.staging = [None, None]  # two buckets: pack one while the other is on the wire
@@ -112,10 +117,16 @@ class WeightSender:
     def _bcast(self, tensor):
         return self.pg.broadcast(tensor, 0)
 
+    def announce(self, value: str):
+        """The next `announce/<n>`: a version about to be broadcast, or "done" (the actors exit)."""
+        self.announced = int(self.store.add("announced", 1))
+        self.store.set(f"announce/{self.announced}", value)
+
     def send(self, version: int, named_tensors, manifest):
         entries, sizes = bucket_layout(manifest, self.bucket_bytes)
         header = json.dumps({"version": int(version), "tensors": entries, "buckets": sizes}).encode()
-        self.store.set("version", str(int(version)))  # the actor sees this and joins the broadcast
+        self.store.set("version", str(int(version)))
+        self.announce(str(int(version)))  # the actor wakes on this and joins the broadcast
         self._bcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device)).wait()
         self._bcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)).wait()
         works = [None, None]  # the packed bucket on the wire from each staging buffer
@@ -151,6 +162,65 @@ class WeightSender:
         for w in works + [own[0] if own else None]:
             if w is not None:
                 w.wait()
+
+
+class AsyncSender:
+    """Sends from a background thread while the trainer trains the next step (issue 12).
+
+    Memory: one full copy of the weights on rank 0 (in the compute dtype), `copy`. `stage` fills it
+    only while the thread is idle, so a broadcast never reads a tensor that is being overwritten (no
+    torn update). A version that finds the thread still busy is not staged at all: the next one goes
+    instead, so only the newest weights travel and versions may be skipped (each broadcast carries its
+    own version, so per-token labels stay exact). sync.async_send=false is the synchronous path
+    (WeightSender.send straight from the gathered units: no copy, training waits)."""
+
+    def __init__(self, sender: WeightSender):
+        self.sender, self.copy, self.manifest, self.error = sender, None, None, None
+        self.idle = threading.Event()
+        self.idle.set()
+        self._next = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stage(self, named_tensors, manifest):
+        """Copy the gathered weights into `copy` (the caller checked `idle`)."""
+        if self.copy is None:
+            self.copy, self.manifest = {}, manifest
+        for name, tensor in named_tensors:
+            if name not in self.copy:
+                self.copy[name] = torch.empty_like(tensor, device=self.sender.device)
+            self.copy[name].copy_(tensor)
+        if self.sender.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # sync: the copy is complete before the thread's broadcast reads it
+
+    def check(self):
+        """Raise the broadcast thread's error, if any, naming the likely cause."""
+        if self.error is not None:
+            raise RuntimeError(f"the weight broadcast to the actors failed ({self.error}); is actor.py still "
+                               f"running? its vLLM workers are ranks 1.. of the weight group at sync.host:sync.port") \
+                from self.error
+
+    def submit(self, version: int):
+        """Broadcast `copy` as `version` from the thread (the caller staged it while idle)."""
+        self.check()
+        self.idle.clear()
+        self._next.put(version)
+
+    def _run(self):
+        while (version := self._next.get()) is not None:
+            try:
+                self.sender.send(version, iter(self.copy.items()), self.manifest)
+            except Exception as e:  # noqa: BLE001 - the trainer's loop raises it at its next submit/close
+                self.error = e
+            finally:
+                self.idle.set()
+
+    def close(self):
+        """Wait for the broadcast in flight (the actors keep receiving until they see "done")."""
+        self.idle.wait()
+        self._next.put(None)
+        self._thread.join()
+        self.check()
 
 
 # --- receiver -----------------------------------------------------------------------------------------
@@ -273,8 +343,9 @@ class WeightUpdateExtension:
         self._ws_stats = {}
         return rank
 
-    def receive_weights(self) -> int:
-        """One update: header, manifest check (before any weight changes), buckets -> reload_weights."""
+    def receive_weights(self) -> dict:
+        """One update: header, manifest check (before any weight changes), buckets -> reload_weights.
+        -> {version, seconds, bytes, wire_s, load_s} (also kept for `weight_sync_stats`)."""
         t0 = time.perf_counter()
         header = receive_header(self._ws_pg, self._ws_device)
         try:
@@ -289,7 +360,7 @@ class WeightUpdateExtension:
         seconds = time.perf_counter() - t0
         self._ws_stats = {"version": header["version"], "seconds": seconds, "bytes": sum(header["buckets"]),
                           "wire_s": t_header + stats["wait_s"], "load_s": seconds - t_header - stats["wait_s"]}
-        return header["version"]
+        return self._ws_stats
 
     def weight_sync_stats(self) -> dict:
         return self._ws_stats

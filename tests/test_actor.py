@@ -121,9 +121,9 @@ async def _gather(*coros):
 def load(env, sd):
     """Broadcast `sd` as the next version and load it through the actor's update path."""
     th, version = env["trainer"].send_async(sd)
-    got, _ = env["loop"].run_until_complete(actor.update_weights([env["engine"]], version, False, 60))
+    stats, _ = env["loop"].run_until_complete(actor.update_weights([env["engine"]], version, False, 60))
     th.join()
-    assert got == version
+    assert [s["version"] for s in stats] == [version]
     return version
 
 
@@ -227,7 +227,7 @@ def test_manifest_mismatch_rejected_weights_unchanged(env):
 def _run_loop(env, cfg, trainer_fn, ends_itself=False):
     """run_actor against a PULL socket standing in for verifier + trainer; `trainer_fn(pull)` runs in a
     thread. Stops once the trainer is done and the actor has nothing in flight (or, with ends_itself,
-    checks that the actor ends by itself: the trainer set the store key `done`)."""
+    checks that the actor ends by itself: the trainer announced "done")."""
     import zmq
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(common.zmq_addr("127.0.0.1", cfg.ports.rollouts))
@@ -265,10 +265,7 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False):
         await _gather(loop_task, watcher())
 
     loop_task = None
-    try:
-        env["loop"].run_until_complete(both())
-    finally:
-        env["store"].delete_key("done")
+    env["loop"].run_until_complete(both())
     rest = []
     while pull.poll(200):
         rest.append(common.recv(pull, "rollout"))
@@ -325,8 +322,8 @@ def test_conventional_schedule_exact_batches_one_version(env):
                    f"actor.G_steps={G}", f"actor.max_lag={G - 1}", "actor.max_tokens=24")
     per_version = {}
 
-    def trainer(pull, st):
-        version = env["trainer"].send(env["sd"])
+    def trainer(pull, st):  # RL steps start at multiples of G_steps, as the trainer's versions do
+        version = env["trainer"].send(env["sd"], -(-(env["trainer"].version + 1) // G) * G)
         for step in range(4):
             batch = _pull(pull, B * G)
             for _, a in batch:
@@ -334,7 +331,7 @@ def test_conventional_schedule_exact_batches_one_version(env):
             assert not pull.poll(300)  # the actor waits for new weights: no sample beyond B*G_steps
             if step < 3:
                 version = env["trainer"].send(env["sd"], version + G)  # weights go out every G_steps steps
-        env["store"].set("done", "1")  # the trainer's last step: the actor ends by itself
+        env["trainer"].sender.announce("done")  # the trainer's last step: the actor ends by itself
         return version
 
     st, last, rest = _run_loop(env, cfg, trainer, ends_itself=True)
@@ -355,14 +352,10 @@ def test_peer_timeout_names_trainer(tmp_path):
 
 def test_actor_process_end_to_end(env, tmp_path):
     """python actor.py with a fake trainer and a PULL socket: pushes schema-valid rollouts in cursor order,
-    takes an update, evaluates (when verifier.py is importable), exits 0 on SIGTERM, no vLLM process left."""
+    takes an update, sends an evaluation pass for the verifier to grade, exits 0 on SIGTERM, no vLLM
+    process left."""
     import psutil
     import zmq
-    try:
-        import verifier  # noqa: F401
-        eval_every = 1
-    except ImportError:
-        eval_every = 0
     store = ws.create_store("127.0.0.1", 0, True, 60)
     store.set("cursor", "100")
     rollouts = free_port()
@@ -371,17 +364,30 @@ def test_actor_process_end_to_end(env, tmp_path):
     log_file = open(tmp_path / "actor.log", "w")
     proc = subprocess.Popen([sys.executable, str(REPO / "actor.py"), f"model.path={env['model_dir']}",
                              f"run.dir={tmp_path}", f"sync.port={store.port}", f"ports.rollouts={rollouts}",
-                             "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", f"actor.eval_every={eval_every}",
+                             "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "actor.eval_every=1",
                              "data.test_size=20", "trainer.batch_size=8", "actor.group_size=4",
                              "actor.max_lag=0", "actor.max_tokens=16", "run.log_every=0.5"],
                             stdout=log_file, stderr=subprocess.STDOUT)
+    evals = []
+
+    def pull_training(n):  # evaluation rollouts (eval: true) come on the same socket, for the verifier
+        out = []
+        while len(out) < n:
+            h, a = _pull(pull, 1, timeout_s=120)[0]
+            (evals if h["eval"] else out).append((h, a))
+        return out
+
     try:
         pg = ws.init_group(store, 0, 2, "gloo", 120)  # returns once the actor's worker joined
         sender = ws.WeightSender(store, pg, 1)
         sender.send(0, iter(env["sd"].items()), manifest(env["sd"]))
-        first = _pull(pull, 8, timeout_s=120)  # max_lag=0: exactly one batch before the next version
+        first = pull_training(8)  # max_lag=0: exactly one batch before the next version
         sender.send(1, iter(env["sd"].items()), manifest(env["sd"]))
-        later = _pull(pull, 8, timeout_s=120)
+        later = pull_training(8)
+        while len(evals) < 20:  # the evaluation at version 0 finishes whatever the version is now
+            h, a = _pull(pull, 1, timeout_s=120)[0]
+            assert h["eval"]
+            evals.append((h, a))
         time.sleep(1.0)  # a metrics line
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children  # vLLM's engine core and worker
@@ -399,8 +405,9 @@ def test_actor_process_end_to_end(env, tmp_path):
     assert sorted({h["group_id"] for h, _ in first}) == [100, 101]  # prompts from the trainer's cursor
     assert sorted({h["group_id"] for h, _ in later}) == [102, 103]
     assert all((a["versions"] == 0).all() for _, a in first) and all((a["versions"] == 1).all() for _, a in later)
+    assert all(h["proc"] == 0 and h["group_size"] == 4 for h, _ in first + later)
+    v0 = [(h, a) for h, a in evals if h["group_id"] == 0]  # the pass that started at version 0
+    assert sorted(h["sample_idx"] for h, _ in v0) == list(range(20)) and {h["group_size"] for h, _ in v0} == {20}
+    assert all(len(a["completion_ids"]) > 0 and (a["versions"] >= 0).all() for _, a in v0)
     metrics = common.read_jsonl(tmp_path / "metrics_actor.jsonl")
-    assert any("actor/tokens_per_s" in m for m in metrics)
-    if eval_every:
-        evals = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
-        assert evals[0]["version"] == 0 and evals[0]["n"] == 20 and 0.0 <= evals[0]["test_reward"] <= 1.0
+    assert any("actor/tokens_per_s" in m and "actor/engine_tokens_per_s" in m for m in metrics)

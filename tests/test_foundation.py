@@ -5,6 +5,7 @@ Run: bash run.sh test tests/test_foundation.py
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -103,7 +104,11 @@ def test_wandb_offline_mirror(tmp_path, monkeypatch):
     run.finish()
     files = list(tmp_path.glob("wandb/offline-run-*/*.wandb"))
     assert len(files) == 1
-    blob = files[0].read_bytes()
+    for _ in range(60):  # wandb-core may still be writing the file after finish() returns (seen: 7 bytes)
+        blob = files[0].read_bytes()
+        if b"verifier/queue_depth" in blob:
+            break
+        time.sleep(0.5)
     assert b"verifier/reward_mean" in blob and b"0.625" in blob and b"verifier/queue_depth" in blob
     assert common.read_jsonl(tmp_path / "metrics_verifier.jsonl")[-1]["verifier/reward_mean"] == 0.625
 
@@ -128,7 +133,7 @@ def test_progress_reads_only_appended_complete_lines(tmp_path):
 
 def _rollout(n=5):
     header = {"group_id": 3, "sample_idx": 1, "group_size": 8, "task": "arithmetic", "answer": "42",
-              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5}
+              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "proc": 0, "eval": False}
     arrays = {"prompt_ids": np.arange(4, dtype=np.int32), "completion_ids": np.arange(n, dtype=np.int32),
               "logprobs": -np.ones(n, dtype=np.float32), "versions": np.zeros(n, dtype=np.int32)}
     return header, arrays
@@ -171,6 +176,10 @@ def test_wire_malformed_raises_wire_error_only():
         "bad sample_idx": common.encode({**h, "sample_idx": 8}, a),
         "empty": [],
         "header not object": [b"[1,2]"],
+        "NaN logprob": common.encode(h, {**a, "logprobs": np.array([-1, np.nan, -1, -1, -1], np.float32)}),
+        "-inf logprob": common.encode(h, {**a, "logprobs": np.array([-1, -np.inf, -1, -1, -1], np.float32)}),
+        "NaN header float": common.encode({**h, "t_end": float("nan")}, a),  # JSON encodes it as NaN
+        "eval not a bool": common.encode({**h, "eval": 1}, a),
     }
     for name, frames in cases.items():
         with pytest.raises(WireError):
@@ -178,6 +187,10 @@ def test_wire_malformed_raises_wire_error_only():
             pytest.fail(name)
     with pytest.raises(WireError, match="missing field 'reward'"):
         common.decode(good, "sample")
+    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5}
+    for bad in ({"advantage": float("nan")}, {"advantage": float("inf")}, {"reward": float("-inf")}):
+        with pytest.raises(WireError, match="finite"):  # a non-finite advantage never reaches the loss
+            common.decode(common.encode({**sample, **bad}, a), "sample")
     with pytest.raises(WireError, match="not allowed"):
         common.encode(h, {"x": np.array(["a"])})
 

@@ -221,15 +221,16 @@ def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
     cfg = make_cfg(tmp, 2)
     state = trainer.build_state(cfg, CPU, model=tiny_model())
     sender = None
-    if trainer.is_main():
+    if trainer.is_main():  # sync.async_send (the default): the broadcast runs in the AsyncSender's thread
         store = ws.create_store("127.0.0.1", sync_port, True, 60)
         store.set("cursor", "7")
-        sender = ws.WeightSender(store, ws.init_group(store, 0, 2, "gloo", 60), bucket_mb=0.01)
-    trainer.send_weights(state, sender, 0)
+        sender = ws.AsyncSender(ws.WeightSender(store, ws.init_group(store, 0, 2, "gloo", 60), bucket_mb=0.01))
+    trainer.send_weights(state, sender, cfg, wait=True)
     trainer.train_step(state, _share(batch, 2, rank), cfg)
-    trainer.send_weights(state, sender, state.step)
+    trainer.send_weights(state, sender, cfg, wait=True)
     params = full_params(state)
     if trainer.is_main():
+        sender.close()
         torch.save(params, Path(tmp) / "trainer.pt")
     dist.destroy_process_group()
 
@@ -321,7 +322,7 @@ def _sample_frames(i, version, vocab=64, bad=False):
     rng = np.random.default_rng(i)
     P, C = int(rng.integers(1, 6)), int(rng.integers(1, 10))
     header = {"group_id": i // 2, "sample_idx": i % 2, "group_size": 2, "task": "arithmetic", "answer": "3",
-              "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "reward": float(i % 2), "status": "correct",
+              "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "proc": 0, "eval": False, "reward": float(i % 2), "status": "correct",
               "advantage": float(i % 2) - 0.5}
     arrays = {"prompt_ids": rng.integers(0, vocab, P).astype(np.int32),
               "completion_ids": rng.integers(0, vocab, C).astype(np.int32),
@@ -386,7 +387,7 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
         assert proc.returncode == 0, out
         return actor, out
 
-    actor, out = run(2, 4, "trainer.max_steps=3")
+    actor, out = run(2, 4, "trainer.max_steps=3", "sync.async_send=false")  # every version, in order
     assert actor == {"cursor": "0", "versions": [0, 1, 2, 3]}, out
     recs = [r for r in common.read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
@@ -399,7 +400,7 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-3"]
     max_group = json.loads((tmp_path / "checkpoints/step-3/trainer_state.json").read_text())["max_group_id"]
 
-    actor, out = run(1, 2, "trainer.max_steps=4", "run.resume=true")
+    actor, out = run(1, 2, "trainer.max_steps=4", "run.resume=true", "sync.async_send=false")
     assert actor == {"cursor": str(max_group + 1), "versions": [3, 4]}, out
     assert [r["step"] for r in common.read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r][-1] == 4
 

@@ -1,4 +1,4 @@
-# Tiers (a) + (b): verifier.score on a table of answers, ScorePool against hostile input with real
+# Tiers (a) + (b): tasks.score on a table of answers, ScorePool against hostile input with real
 # worker processes, and verifier.py as a subprocess between real ZMQ sockets (CPU, ~60 s on 2 busy cores).
 # Run: bash run.sh test tests/test_verifier.py    or    .venv/bin/python -m pytest -q tests/test_verifier.py
 import json
@@ -80,14 +80,14 @@ CASES = [
 
 @pytest.mark.parametrize("completion,gold,task,expected", CASES)
 def test_score_table(completion, gold, task, expected):
-    reward, status = V.score(completion, gold, task)
+    reward, status = tasks.score(completion, gold, task)
     assert status == expected
     assert reward == (1.0 if expected == "correct" else 0.0)
 
 
 def test_score_table_covers_every_status_but_timeout():
     assert len(CASES) >= 40
-    assert {c[3] for c in CASES} == set(V.STATUSES) - {"timeout"}  # timeout: only the pool gives it
+    assert {c[3] for c in CASES} == set(tasks.STATUSES) - {"timeout"}  # timeout: only the pool gives it
 
 
 def test_score_gsm8k_and_math_gold_from_records():
@@ -95,18 +95,18 @@ def test_score_gsm8k_and_math_gold_from_records():
     math = {"problem": "q", "solution": "So $x = \\boxed{\\frac{\\sqrt{3}}{2}}$."}
     assert tasks.gold_answer(gsm8k) == "1234"
     assert tasks.gold_answer(math) == "\\frac{\\sqrt{3}}{2}"
-    assert V.score("so he has 1,234 apples.", tasks.gold_answer(gsm8k), "math") == (1.0, "correct")
-    assert V.score("\\boxed{1234}", tasks.gold_answer(gsm8k), "math") == (1.0, "correct")
-    assert V.score("so he has 1,235 apples.", tasks.gold_answer(gsm8k), "math") == (0.0, "wrong")
-    assert V.score("\\boxed{\\sqrt{3}/2}", tasks.gold_answer(math), "math") == (1.0, "correct")
-    assert V.score("\\boxed{\\sqrt{2}/2}", tasks.gold_answer(math), "math") == (0.0, "wrong")
+    assert tasks.score("so he has 1,234 apples.", tasks.gold_answer(gsm8k), "math") == (1.0, "correct")
+    assert tasks.score("\\boxed{1234}", tasks.gold_answer(gsm8k), "math") == (1.0, "correct")
+    assert tasks.score("so he has 1,235 apples.", tasks.gold_answer(gsm8k), "math") == (0.0, "wrong")
+    assert tasks.score("\\boxed{\\sqrt{3}/2}", tasks.gold_answer(math), "math") == (1.0, "correct")
+    assert tasks.score("\\boxed{\\sqrt{2}/2}", tasks.gold_answer(math), "math") == (0.0, "wrong")
     with pytest.raises(ValueError):
-        V.score("#1", "1", "chess")
+        tasks.score("#1", "1", "chess")
 
 
 def test_reward_for_table_and_overlong_penalty():
     v = common.VerifierCfg(reward_correct=2.0, reward_wrong=-0.5, reward_no_answer=-1.0)
-    assert [V.reward_for(s, v, 10, 64) for s in V.STATUSES] == [2.0, -0.5, -1.0, -1.0, -1.0]
+    assert [V.reward_for(s, v, 10, 64) for s in tasks.STATUSES] == [2.0, -0.5, -1.0, -1.0, -1.0]
     # DAPO: buffer 8 before max_tokens 64 -> no penalty up to 56 tokens, then linear down to -penalty at 64
     v = common.VerifierCfg(overlong_buffer=8, overlong_penalty=0.5)
     assert V.reward_for("correct", v, 56, 64) == 1.0
@@ -191,11 +191,12 @@ def tokenizer_dir(tmp_path_factory):
     return str(d), tok
 
 
-def start_verifier(run_dir, model_dir, *overrides):
+def start_verifier(run_dir, model_dir, *overrides, store=None):
+    """verifier.py between real sockets; `store`: the trainer's store, where it reports dropped samples."""
     ports = {"rollouts": free_port(), "samples": free_port()}
     cmd = [sys.executable, os.path.join(REPO, "verifier.py"), f"run.dir={run_dir}", f"model.path={model_dir}",
            f"ports.rollouts={ports['rollouts']}", f"ports.samples={ports['samples']}", "run.log_every=0.2",
-           "verifier.workers=1", *overrides]
+           "verifier.workers=1", f"sync.port={store.port if store else free_port()}", *overrides]
     out = open(os.path.join(run_dir, "stdout.txt"), "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     ctx = zmq.Context()
@@ -220,7 +221,7 @@ def rollout(tok, group_id, sample_idx, group_size, task, answer, text, eos=True)
     ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
     n = len(ids)
     header = {"group_id": group_id, "sample_idx": sample_idx, "group_size": group_size, "task": task,
-              "answer": answer, "finish_reason": "stop", "t_start": 1.0, "t_end": 2.0}
+              "answer": answer, "finish_reason": "stop", "t_start": 1.0, "t_end": 2.0, "proc": 0, "eval": False}
     arrays = {"prompt_ids": np.array([1, 2, 3], np.int32), "completion_ids": np.array(ids, np.int32),
               "logprobs": -np.arange(1, n + 1, dtype=np.float32) / 8,
               "versions": np.full(n, 7 + group_id, np.int32)}
@@ -252,12 +253,18 @@ def wait_metrics(run_dir, done, timeout_s=60):
     raise AssertionError(f"metrics never reached the expected state; last: {records[-1:] if records else None}")
 
 
+def trainer_store():
+    import weights_sync
+    return weights_sync.create_store("127.0.0.1", 0, True, 60)  # port 0: the OS picks one
+
+
 def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_dir):
     model_dir, tok = tokenizer_dir
     run_dir = str(tmp_path)
+    store = trainer_store()
     proc, push, pull, ctx = start_verifier(
         run_dir, model_dir, "verifier.reward_wrong=-0.5", "verifier.overlong_buffer=4",
-        "verifier.overlong_penalty=1.0", "actor.max_tokens=24", "verifier.stale_group_s=2")
+        "verifier.overlong_penalty=1.0", "actor.max_tokens=24", "verifier.stale_group_s=10", store=store)
     try:
         sent = {}
 
@@ -310,7 +317,11 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
         assert (m["verifier/status_wrong"], m["verifier/status_no_answer"], m["verifier/status_timeout"]) \
             == (1, 1, 0)
         assert m["verifier/queue_depth"] == 1  # group 3's one sample
-        wait_metrics(run_dir, lambda r: "group 3 still incomplete" in stdout(run_dir))
+        # Dropped and given back to the actor's budget: group 9 (its malformed sample can never complete it,
+        # 2 samples) and group 3, still incomplete after stale_group_s (3 samples).
+        m = wait_metrics(run_dir, lambda r: "group 3 still incomplete" in stdout(run_dir) and r["verifier/stale_groups"])
+        assert (m["verifier/dropped_groups"], m["verifier/dropped_samples"], m["verifier/queue_depth"]) == (2, 5, 0)
+        assert store.add("dropped/0", 0) == 5
         # still serving after all that: a late duplicate of a forwarded group is dropped, a new group passes
         send(1, 3, 4, "arithmetic", "12", "#12")
         send(5, 0, 1, "arithmetic", "5", "#4")
@@ -326,7 +337,8 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
 def test_service_drops_zero_advantage_groups_when_asked(tmp_path, tokenizer_dir):
     model_dir, tok = tokenizer_dir
     run_dir = str(tmp_path)
-    proc, push, pull, ctx = start_verifier(run_dir, model_dir, "verifier.drop_zero_adv_groups=true")
+    store = trainer_store()
+    proc, push, pull, ctx = start_verifier(run_dir, model_dir, "verifier.drop_zero_adv_groups=true", store=store)
     try:
         for idx in range(2):
             common.send(push, *rollout(tok, 1, idx, 2, "arithmetic", "5", "#5"))  # all correct: dropped
@@ -337,5 +349,35 @@ def test_service_drops_zero_advantage_groups_when_asked(tmp_path, tokenizer_dir)
         assert sorted((h["group_id"], h["advantage"]) for h, _ in samples) == [(2, -0.5), (2, 0.5)]
         m = wait_metrics(run_dir, lambda r: r["verifier/groups_forwarded"] == 1)
         assert (m["verifier/zero_adv_groups"], m["verifier/dropped_groups"]) == (1, 1)
+        assert store.add("dropped/0", 0) == 2  # given back to actor 0's admission budget (issue 13)
     finally:
         stop_verifier(proc, ctx, run_dir)
+
+
+def test_service_grades_evaluations_and_drops_non_finite_rollouts(tmp_path, tokenizer_dir):
+    """An evaluation pass (eval: true, one "group" over the test split) goes to eval.jsonl with the span of
+    versions that produced its tokens, never to the trainer; a rollout with a NaN logprob is malformed, and
+    its group (of actor process 1) is dropped and given back to that process's budget."""
+    model_dir, tok = tokenizer_dir
+    run_dir = str(tmp_path)
+    store = trainer_store()
+    proc, push, pull, ctx = start_verifier(run_dir, model_dir, store=store)
+    try:
+        for i, text in enumerate(["#5", "#4", "#5", "nothing"]):  # 2 of 4 right
+            h, a = rollout(tok, 30, i, 4, "arithmetic", "5", text)
+            a["versions"] = np.full(len(a["versions"]), 30 + i // 2, np.int32)  # the pass spans versions 30-31
+            common.send(push, {**h, "eval": True}, a)
+        h, a = rollout(tok, 30, 0, 2, "arithmetic", "5", "#5")  # training group 30: another id space
+        common.send(push, {**h, "proc": 1}, a)
+        a = {**a, "logprobs": a["logprobs"].copy()}
+        a["logprobs"][0] = np.nan
+        common.send(push, {**h, "sample_idx": 1, "proc": 1}, a)
+        m = wait_metrics(run_dir, lambda r: r["verifier/evaluations"] == 1 and r["verifier/malformed"] == 1)
+        assert (m["verifier/dropped_groups"], m["verifier/groups_forwarded"]) == (1, 0)
+        assert m["verifier/test_reward"] == 0.5 and m["verifier/test_version"] == 30
+        assert not pull.poll(500)  # nothing reaches the trainer
+        assert store.add("dropped/1", 0) == 2 and store.add("dropped/0", 0) == 0
+    finally:
+        stop_verifier(proc, ctx, run_dir)
+    (record,) = common.read_jsonl(os.path.join(run_dir, "eval.jsonl"))
+    assert (record["version"], record["versions"], record["test_reward"], record["n"]) == (30, [30, 31], 0.5, 4)
