@@ -106,7 +106,7 @@ def test_trainer_step_reaches_vllm(tmp_path, family, tied, redundant_head):
         f"model.path={model_dir}", f"run.dir={tmp_path}", f"sync.port={store.port}", "sync.timeout_s=60",
         f"ports.rollouts={free_port()}", f"ports.samples={free_port()}", "actor.max_inflight=8",
         "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "actor.max_tokens=16", "actor.temperature=1.0",
-        "trainer.batch_size=4", "actor.group_size=4",
+        "trainer.batch_size=4", "actor.group_size=4", "sync.async_send=false",  # the broadcast in this thread
         "trainer.lr=1e-2"])  # Adam's first step moves every weight with a gradient by ~lr (init std 0.02)
     loop = asyncio.new_event_loop()
     engine = run(loop, _start(cfg))
@@ -130,11 +130,11 @@ def test_trainer_step_reaches_vllm(tmp_path, family, tied, redundant_head):
 
         # --- the new weights into the running engine: the actor's in-flight update path ---
         sender = ws.WeightSender(store, box["pg"], cfg.sync.bucket_mb)
-        th = threading.Thread(target=trainer.send_weights, args=(state, sender, state.step))
+        th = threading.Thread(target=trainer.send_weights, args=(state, sender, cfg))
         th.start()
-        version, _ = run(loop, actor.update_weights([engine], state.step, False, 60))
+        stats, _ = run(loop, actor.update_weights([engine], state.step, False, 60))
         th.join()
-        assert version == state.step == 1
+        assert [s["version"] for s in stats] == [state.step] == [1]
 
         # --- vLLM's outputs == an HF forward on the trainer's new weights ---
         greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -154,13 +154,13 @@ def test_trainer_step_reaches_vllm(tmp_path, family, tied, redundant_head):
     greedy_outs, sampled_outs = outs[:len(PROMPTS)], outs[len(PROMPTS):]
     not_argmax = 0  # greedy tokens that are not HF's argmax, up to fp32 rounding between near-equal logits
     for r in greedy_outs:
-        assert (r["versions"] == version).all() and len(r["completion_ids"]) == 16
+        assert (r["versions"] == state.step).all() and len(r["completion_ids"]) == 16
         logp = hf_logprobs(state.model, r)                                                    # [T, V]
         picked = logp.gather(1, torch.from_numpy(r["completion_ids"].astype(np.int64))[:, None])[:, 0]  # [T]
         not_argmax += int((picked < logp.max(dim=1).values - TOL).sum())
     worst, moved = 0.0, 0.0  # max |vLLM - HF(new)| and |HF(new) - HF(initial)| of the sampled tokens' logprobs
     for r in sampled_outs:  # behaviour logprobs (processed, T=1) == HF log_softmax of the new weights
-        assert (r["versions"] == version).all()
+        assert (r["versions"] == state.step).all()
         ids = torch.from_numpy(r["completion_ids"].astype(np.int64))[:, None]                # [T, 1]
         new = hf_logprobs(state.model, r).gather(1, ids)[:, 0].numpy()                        # [T]
         old = hf_logprobs(initial, r).gather(1, ids)[:, 0].numpy()                            # [T]
