@@ -443,7 +443,7 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     host = {"sequences": len(samples), "trained_sequences": len(trained),
             "reward_sum": sum(float(s["reward"]) for s in samples),
             "all_tokens": sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
-            "malformed": state.malformed, "lag_sum": lags.sum(),
+            "malformed": state.malformed, "lag_sum": lags.sum(), "lag_tokens": len(lags),
             "pos_lag_sum": np.bincount(pos, weights=lags, minlength=P), "pos_tokens": np.bincount(pos, minlength=P)}
     # Sync: one all-reduce for every summed statistic, one for the maxima.
     sums.update({k: torch.tensor(v, dtype=f64, device=device) for k, v in host.items()})
@@ -461,8 +461,8 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     metrics = {"loss": s["loss"], "grad_norm": grad_norm,
                "ess": loss.ess(s["ratio_sum"], s["ratio_sq_sum"], s["tokens"]),  # paper eq. 6
                "clamp_frac": s["clamped_tokens"] / tok, "kl": s["kl_sum"] / tok, "entropy": s["entropy_sum"] / tok,
-               "lag_min": -hi[1] if s["tokens"] else 0.0, "lag_mean": s["lag_sum"] / tok,
-               "lag_max": hi[0] if s["tokens"] else 0.0, "reward_mean": s["reward_sum"] / max(s["sequences"], 1),
+               "lag_min": -hi[1] if s["lag_tokens"] else 0.0, "lag_mean": s["lag_sum"] / max(s["lag_tokens"], 1.0),
+               "lag_max": hi[0] if s["lag_tokens"] else 0.0, "reward_mean": s["reward_sum"] / max(s["sequences"], 1),
                "tokens": s["tokens"], "tokens_per_s": s["all_tokens"] / train_s, "train_s": train_s,
                "micro_batches": n_mb, "malformed": s["malformed"], "trained_sequences": s["trained_sequences"],
                "skipped_steps": state.skipped, "step_skipped": int(not math.isfinite(grad_norm))}

@@ -224,7 +224,7 @@ def test_manifest_mismatch_rejected_weights_unchanged(env):
 
 # --- the actor loop: admission control and schedules -----------------------------------------------------
 
-def _run_loop(env, cfg, trainer_fn, ends_itself=False):
+def _run_loop(env, cfg, trainer_fn, ends_itself=False, proc_index=0):
     """run_actor against a PULL socket standing in for verifier + trainer; `trainer_fn(pull)` runs in a
     thread. Stops once the trainer is done and the actor has nothing in flight (or, with ends_itself,
     checks that the actor ends by itself: the trainer announced "done")."""
@@ -261,7 +261,7 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False):
 
     async def both():
         nonlocal loop_task
-        loop_task = asyncio.ensure_future(actor.run_actor(cfg, [env["engine"]], env["store"], stop, st=st))
+        loop_task = asyncio.ensure_future(actor.run_actor(cfg, [env["engine"]], env["store"], stop, proc_index, st))
         await _gather(loop_task, watcher())
 
     loop_task = None
@@ -338,6 +338,125 @@ def test_conventional_schedule_exact_batches_one_version(env):
     assert sorted(per_version) == [(last - k * G,) for k in (3, 2, 1, 0)]  # one version per batch
     assert all(len(v) == B * G for v in per_version.values()) and not rest
     assert st.started == B * G and st.inflight == 0
+
+
+def _pull_training(pull, n, evals=None, timeout_s=60):
+    """n training rollouts; evaluation rollouts met on the way go to `evals` (or fail the test)."""
+    out = []
+    while len(out) < n:
+        h, a = _pull(pull, 1, timeout_s)[0]
+        if h["eval"]:
+            assert evals is not None, "an evaluation rollout from an actor that must not evaluate"
+            evals.append((h, a))
+        else:
+            out.append((h, a))
+    return out
+
+
+def test_dropped_samples_are_given_back_lag_bounded(env):
+    """max_lag=0: the actor may start exactly B samples per version. The trainer drops a group of every
+    batch (as the verifier does with zero-advantage groups) and reports it through the store; the actor
+    must start a replacement, or the trainer waits forever (issue 13). Runs as actor process 1 with
+    actor.eval_every=1: only process 0 evaluates, so no evaluation rollout may appear."""
+    B, gs, steps = 8, 4, 4
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=0",
+                   "actor.max_tokens=24", "actor.eval_every=1", "data.test_size=8")
+    lags = []
+
+    def trainer(pull, st):
+        v0 = env["trainer"].send(env["sd"])
+        for step in range(steps):
+            batch = _pull_training(pull, B)
+            dropped = [x for x in batch if x[0]["group_id"] == batch[0][0]["group_id"]]
+            env["store"].add("dropped/1", len(dropped))  # what verifier.DropReporter does
+            batch = [x for x in batch if x not in dropped] + _pull_training(pull, len(dropped))
+            lags.extend(int(x) for _, a in batch for x in (v0 + step) - a["versions"])
+            env["trainer"].send(env["sd"])
+        return v0
+
+    st, v0, rest = _run_loop(env, cfg, trainer, proc_index=1)
+    assert len(lags) > 0 and max(lags) == 0  # lag <= max_lag = 0 although a quarter of the samples vanished
+    assert st.dropped == gs * steps and st.started_total == st.pushed
+    assert not [h for h, _ in rest if h["eval"]]
+
+
+def test_evaluation_spans_an_update_without_delaying_it(env):
+    """Order of events, no clock: the trainer announces version v1 as soon as the evaluation at v0 has
+    started (its first rollout arrived). The update must land while the evaluation still runs: later
+    evaluation rollouts carry v1 tokens, and training rollouts sampled by v1 arrive before the
+    evaluation's last one. (Before issue 12 the update waited for the evaluation: all its tokens v0.)"""
+    n_test = 24
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=3",
+                   "actor.max_tokens=32", "actor.max_inflight=16", "actor.eval_every=1", f"data.test_size={n_test}")
+    events = []
+
+    def trainer(pull, st):
+        v0 = env["trainer"].send(env["sd"])
+        while not any(h["eval"] for h, _ in events):
+            events.extend(_pull(pull, 1))
+        v1 = env["trainer"].send(env["sd"])
+        while len([h for h, _ in events if h["eval"] and h["group_id"] == v0]) < n_test:
+            events.extend(_pull(pull, 1))
+        return v0, v1
+
+    st, (v0, v1), _ = _run_loop(env, cfg, trainer)
+    first_pass = [(i, a) for i, (h, a) in enumerate(events) if h["eval"] and h["group_id"] == v0]
+    assert {h["group_size"] for h, _ in events if h["eval"]} == {n_test}
+    assert sorted(h["sample_idx"] for h, _ in events if h["eval"] and h["group_id"] == v0) == list(range(n_test))
+    assert any((a["versions"] == v1).any() for _, a in first_pass), "the update waited for the evaluation"
+    assert all(set(np.unique(a["versions"])) <= {v0, v1} for _, a in first_pass)
+    v1_training = [i for i, (h, a) in enumerate(events) if not h["eval"] and (a["versions"] == v1).any()]
+    assert v1_training and v1_training[0] < first_pass[-1][0]
+
+
+def test_backpressure_does_not_block_the_loop(env):
+    """Nobody reads the rollouts: ZMQ's queue fills (SNDHWM 1000) and every push waits. The actor's loop
+    must still take an announced update and stop when asked (a blocking send froze it: issue 13)."""
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=400",
+                   "actor.max_tokens=2", "actor.max_inflight=32")  # nothing binds ports.rollouts
+    st, stop = actor.ActorState(), asyncio.Event()
+    first, _ = env["trainer"].send_async(env["sd"])  # the actor's first weights, received by run_actor
+    box = {}
+
+    async def scenario():
+        task = asyncio.ensure_future(actor.run_actor(cfg, [env["engine"]], env["store"], stop, 0, st))
+        while st.pushed < 1000 and not task.done():  # ZMQ's queue is full: the next sends wait
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        box["version"] = await asyncio.to_thread(env["trainer"].send, env["sd"])  # the actor must join this
+        while st.version != box["version"] and not task.done():
+            await asyncio.sleep(0.05)
+        stop.set()
+        await task
+
+    th = threading.Thread(target=lambda: env["loop"].run_until_complete(scenario()), daemon=True)
+    th.start()
+    th.join(timeout=180)
+    first.join(timeout=10)
+    assert not th.is_alive(), "the actor's loop is blocked"
+    assert st.version == box["version"] and st.pushed < st.started_total  # pushes were still waiting
+
+
+def test_admission_budgets_hand_worked():
+    """admit(): pipeline budget (u_min - v0 + max_lag + 1)*B/P minus what was dropped; conventional quota
+    B*(G - version % G)/P per RL step (a run resumed mid-RL-step finishes that RL step, no extra batch)."""
+    def cfg(*kv):
+        return common.load_config(["trainer.batch_size=8", "actor.group_size=4", *kv])
+    pipe = cfg("actor.max_lag=1")
+    st = actor.ActorState(version=7, first_version=5, started=28)
+    assert actor.admit(pipe, st, 1)  # (7-5+1+1)*8 = 32: 28+4 fits
+    st.started = 32
+    assert not actor.admit(pipe, st, 1)
+    st.groups = {0: [6, 4]}  # a group started at version 6 is still running: u_min = 6 -> 24
+    st.started, st.dropped = 24, 4  # 4 of them were dropped: 20 delivered
+    assert actor.admit(pipe, st, 1) and not actor.admit(pipe, st, 2)  # two processes: 12 each
+    conv = cfg("actor.schedule=conventional", "actor.G_steps=4", "actor.max_lag=3")
+    st = actor.ActorState(version=8, started=28)
+    assert actor.admit(conv, st, 1) and (setattr(st, "started", 32) or not actor.admit(conv, st, 1))
+    st.version, st.started = 10, 12  # resumed at step 10: steps 10 and 11 of the RL step remain, 16 samples
+    assert actor.admit(conv, st, 1) and (setattr(st, "started", 16) or not actor.admit(conv, st, 1))
+    st.dropped, st.dropped_at_update = 6, 2  # 4 dropped since this RL step began
+    assert actor.admit(conv, st, 1)
 
 
 # --- `python actor.py` as a process ---------------------------------------------------------------------
