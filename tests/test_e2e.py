@@ -172,7 +172,7 @@ def test_gpu_recipe_runs_on_cpu_with_what_run_sh_installs(tmp_path):
     model = tiny_chat_model(tmp_path / "model", tied=False)
     data = gsm8k_folder(tmp_path / "gsm8k")
     run_dir = tmp_path / "run"
-    cpu_scale = ["actor.engines=1", "actor.gpus=", "trainer.nproc=1", "trainer.gpus=", "model.dtype=float32",
+    cpu_scale = ["actor.engines=1", "trainer.nproc=1", "model.dtype=float32",
                  "trainer.batch_size=16", "actor.max_inflight=32", "actor.max_tokens=24", "trainer.max_steps=3",
                  "verifier.workers=1", "run.peer_timeout_s=120"]
     rc, out = finish(start(["configs/qwen2.5-1.5b-gsm8k.yaml", f"model.path={model}", f"data.train_path={data}",

@@ -29,8 +29,9 @@ def gpus(overrides, roles=BOTH, n=8, visible=None):
 
 
 def test_device_sets_defaults_follow_the_documented_layout():
-    recipe = ["configs/qwen2.5-1.5b-gsm8k.yaml", "actor.gpus=", "trainer.gpus="]  # 4 engines, 4 trainer ranks
+    recipe = ["configs/qwen2.5-1.5b-gsm8k.yaml"]  # 4 engines, 4 trainer ranks
     assert gpus(recipe) == {"actor": "0,1,2,3", "trainer": "4,5,6,7"}
+    assert gpus(recipe, visible=[str(i) for i in range(8, 16)]) == {"actor": "8,9,10,11", "trainer": "12,13,14,15"}
     assert gpus([], n=2) == {"actor": "0", "trainer": "1"}
     assert gpus(["actor.engines=2", "actor.tp=2", "trainer.nproc=2", "trainer.batch_size=16"], n=6) == \
         {"actor": "0,1,2,3", "trainer": "4,5"}
