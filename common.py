@@ -517,10 +517,7 @@ def read_jsonl(path) -> list:
     return out
 
 
-# --- checks before any process starts (`python common.py check`; run.sh via scripts/launch.py) -------------
-
-EMBEDDED_MODEL = "assets/tiny-model"  # the default model.path; run.sh builds it on first use
-
+# --- checks before any process starts (`python common.py check`; run.sh via scripts/launch.py) ---------
 
 def node_roles(cfg: Config) -> list:
     """The roles run.sh starts on node NODE_RANK of NNODES: node 0 the verifier, nodes below trainer.nnodes
@@ -545,46 +542,41 @@ def visible_gpus() -> list:
 
 def device_sets(cfg: Config, roles, visible: list) -> dict:
     """{"actor": ids, "trainer": ids}: the GPUs (comma-separated CUDA_VISIBLE_DEVICES ids) of the roles this
-    node runs. A listed set is taken as is; an empty one takes the first free visible GPUs, actor first:
-    actor.gpus = the first engines*tp, trainer.gpus = the trainer.nproc after the actor's (the first
-    trainer.nproc on a trainer-only node). No GPU visible: the config's values, untouched (the CPU path)."""
+    node runs ("" for the others). A listed set is kept; an empty one takes the first free visible GPUs,
+    actor first: actor.gpus = the first engines*tp, trainer.gpus = the trainer.nproc after the actor's (the
+    first trainer.nproc on a trainer-only node). No GPU visible: the config's values, untouched (CPU)."""
     sets = {"actor": cfg.actor.gpus, "trainer": cfg.trainer.gpus}
     if not visible:
         return sets
     need = {"actor": (cfg.actor.engines * cfg.actor.tp, "actor.engines*actor.tp"),
             "trainer": (cfg.trainer.nproc, "trainer.nproc")}
-    here = [r for r in ("actor", "trainer") if r in roles]
-    taken = []
-    for role in sorted(here, key=lambda r: not sets[r]):  # listed sets first, then the defaults
+    taken, out = [], {"actor": "", "trainer": ""}
+    for role in sorted((r for r in out if r in roles), key=lambda r: not sets[r]):  # listed sets first
         (n, what), key = need[role], f"{role}.gpus"
-        if sets[role]:
-            ids = [g.strip() for g in sets[role].split(",")]
-            for g in ids:
-                if g not in visible:
-                    raise ConfigError(f"{key}: GPU {g} is not visible on this node (visible: {','.join(visible)}); "
-                                      f"list visible ids or leave it empty")
-                if g in taken:
-                    raise ConfigError(f"actor.gpus/trainer.gpus: GPU {g} is given twice; give each role its own GPUs")
-                taken.append(g)
-            if len(ids) != n:
-                raise ConfigError(f"{key}: lists {len(ids)} GPUs but {what}={n}; list {n} or change {what.replace('*', ' or ')}")
-        else:
-            ids = [g for g in visible if g not in taken][:n]
-            if len(ids) < n:
-                raise ConfigError(f"{key}: {what}={n} needs {n} GPUs but {len(ids)} of this node's {len(visible)} are "
-                                  f"free; lower {what.replace('*', ' or ')}, or use more GPUs or nodes")
-            taken += ids
-        sets[role] = ",".join(ids)
-    return {r: sets[r] if r in here else "" for r in sets}
+        ids = [g.strip() for g in sets[role].split(",")] if sets[role] else \
+            [g for g in visible if g not in taken][:n]
+        for g in ids:
+            if g not in visible:
+                raise ConfigError(f"{key}: GPU {g} is not visible on this node (visible: {','.join(visible)}); "
+                                  f"list visible ids or leave it empty")
+            if g in taken:
+                raise ConfigError(f"actor.gpus/trainer.gpus: GPU {g} is given twice; give each role its own GPUs")
+            taken.append(g)
+        if len(ids) != n:
+            raise ConfigError(f"{key}: lists {len(ids)} GPUs but {what}={n}; list {n} or change "
+                              f"{what.replace('*', ' or ')}" if sets[role] else
+                              f"{key}: {what}={n} needs {n} GPUs but {len(ids)} of this node's {len(visible)} are "
+                              f"free; lower {what.replace('*', ' or ')}, or use more GPUs or nodes")
+        out[role] = ",".join(ids)
+    return out
 
 
 def check_model(cfg: Config):
     """model.path is a model the trainer can shard and vLLM can load: config.json read, the model built on
-    the meta device (no weights), vLLM's registry asked. Lazy imports: only a launch pays for them."""
-    name = cfg.model.path
-    if name == EMBEDDED_MODEL:
-        return  # ours, a Qwen2 (scripts/make_tiny_model.py; run.sh builds it next if missing): skip ~10 s of imports
-    path = cfg.model_path
+    the meta device (no weights), vLLM's registry asked. Lazy imports: only a launch pays for them (~10 s)."""
+    name, path = cfg.model.path, cfg.model_path
+    if name == "assets/tiny-model":
+        return  # the embedded Qwen2 (scripts/make_tiny_model.py), which run.sh builds after the checks
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache
         try:
@@ -607,19 +599,19 @@ def check_model(cfg: Config):
     arch = (config.architectures or [type(model).__name__])[0]
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not isinstance(model.get_output_embeddings(), torch.nn.Linear):
-        raise ConfigError(f"model.path: {name!r} ({arch}) has no decoder blocks at model.model.layers and a linear "
-                          f"lm_head, which the trainer's FSDP shards; use a Llama/Qwen/Mistral-style causal LM")
+        raise ConfigError(f"model.path: {name!r} ({arch}) has no decoder blocks at model.model.layers and a "
+                          f"linear lm_head, which the trainer's FSDP shards; use a Llama/Qwen/Mistral-style LM")
     from vllm.model_executor.models.registry import ModelRegistry
-    cls = getattr(transformers, arch, None)  # vLLM's fallback: the Transformers backend (registry.py)
+    cls = getattr(transformers, arch, None)  # vLLM's fallback: its Transformers backend (registry.py)
     if arch not in ModelRegistry.get_supported_archs() and not (
             cls is not None and (cls.is_backend_compatible() or cls._can_set_attn_implementation())):
         raise ConfigError(f"model.path: {name!r} ({arch}): vLLM cannot load this architecture; "
-                          f"use one in vLLM's supported models list")
+                          f"use one in vLLM's list of supported models")
 
 
 def check(cfg: Config, roles=None, visible=None) -> dict:
-    """Everything that can fail before a process starts, beyond the config itself: the model and this node's
-    device sets (returned, see `device_sets`)."""
+    """What can fail before a process starts beyond the config itself: the model, and this node's device
+    sets (returned; see `device_sets`)."""
     check_model(cfg)
     return device_sets(cfg, node_roles(cfg) if roles is None else roles,
                        visible_gpus() if visible is None else visible)
