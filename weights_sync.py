@@ -14,13 +14,16 @@ Produces: the same tensors inside every vLLM worker, loaded with the worker's `r
   from its own memory (`bucket_layout` says why).
 - Receiver: `WeightUpdateExtension`, a vLLM worker extension (`worker_extension_cls`) whose methods run
   in every worker via `collective_rpc`; `receive()` is a plain receiver for tests and tools.
+- Tied embeddings (`tie_word_embeddings=True`): the trainer sends the shared tensor once, as
+  `model.embed_tokens.weight`, and the checkpoint holds no `lm_head.weight` either; the receiver makes
+  vLLM's lm_head follow it after every reload (`refresh_tied_heads` says why it must).
 
 Simplifications:
 1. Every update sends the full model (no deltas, no quantization on the wire).
 2. Memory: the sender stages two buckets (packing one while the other is on the wire); a CPU receiver
    keeps one model copy of receive buffers across updates (fresh ones cost page faults: see iter_tensors).
-3. Only plain HF checkpoints with untied embeddings are supported (DESIGN.md: a tied lm_head stays
-   stale in vLLM after a reload).
+3. A tied lm_head is re-processed by vLLM's own post-load step after every update (on CPU: a V x H
+   repack, as at engine start); a quantized tied lm_head is refused.
 """
 import collections
 import datetime
@@ -255,18 +258,50 @@ def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
 
 # --- receiver inside vLLM -----------------------------------------------------------------------------
 
+def tied_lm_heads(model) -> dict:
+    """name -> vLLM ParallelLMHead whose weight IS an input embedding's Parameter. vLLM ties by sharing the
+    Parameter (`ParallelLMHead.tie_weights`, called from e.g. models/qwen2.py, llama.py, qwen3.py when
+    tie_word_embeddings, or after loading by model_loader/weight_tying.py for a redundant checkpoint copy)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
+    modules = dict(model.named_modules())
+    embeddings = {id(m.weight) for m in modules.values()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+    heads = {n: m for n, m in modules.items() if isinstance(m, ParallelLMHead) and id(m.weight) in embeddings}
+    for name, head in heads.items():
+        if not isinstance(head.quant_method, UnquantizedEmbeddingMethod):  # its post-load step may re-quantize
+            raise ValueError(f"{name}: a quantized tied lm_head ({type(head.quant_method).__name__}) is not supported")
+    return heads
+
+
+def refresh_tied_heads(heads: dict):
+    """Make tied lm_heads follow the embedding a reload just wrote (vLLM 0.32.0).
+
+    `reload_weights` (model_loader/reload/layerwise.py) loads the embedding, runs its post-load step and
+    copies the result into the original Parameter in place (`_copy_and_restore_kernel_tensors`), which the
+    tied head shares, so `head.weight` is new. But no checkpoint tensor names the head, so its own post-load
+    step never reruns (`finalize_layerwise_processing` only puts its kernel tensors back). On CPU that step
+    (`UnquantizedEmbeddingMethod.process_weights_after_loading` -> layers/utils.py
+    `dispatch_cpu_unquantized_gemm`) packed the head's weight into a oneDNN (or sgl/zentorch) GEMM handle
+    whose copy the logits use, ignoring `head.weight`: stale from then on. Re-running the step repacks it
+    from the new weight. On GPU the step does nothing and the logits read the shared Parameter directly
+    (logits_processor.py `_apply_head` -> F.linear(x, head.weight)): the call is a no-op there."""
+    for head in heads.values():
+        head.quant_method.process_weights_after_loading(head)
+
+
 class WeightUpdateExtension:
     """Mixed into every vLLM worker (`worker_extension_cls="weights_sync.WeightUpdateExtension"`).
     Only small scalars and strings go through collective_rpc (tensors as RPC arguments arrive as lists);
     the weights travel over the process group."""
 
     def init_weight_group(self, host, port, world_size, rank_base, backend, timeout_s):
-        if getattr(self.model_config.hf_config, "tie_word_embeddings", False):
-            raise ValueError(f"{self.model_config.model}: tie_word_embeddings=True is not supported: vLLM "
-                             f"keeps a tied lm_head stale after reload_weights (DESIGN.md); untie the model")
         from vllm.distributed import get_tensor_model_parallel_rank
         rank = rank_base + get_tensor_model_parallel_rank()
+        self._ws_tied_heads = tied_lm_heads(self.model_runner.get_model())
         self._ws_expected = checkpoint_manifest(self.model_config.model, self.model_config.dtype)
+        for name in self._ws_tied_heads:  # a checkpoint may keep a redundant copy; HF ties it too, so the
+            self._ws_expected.pop(f"{name}.weight", None)  # trainer stores the tensor once and never sends it
         self._ws_pg = init_group(create_store(host, port, False, timeout_s), rank, world_size, backend, timeout_s)
         self._ws_device = torch.device("cpu") if self._ws_pg.name() == "gloo" else self.device
         self._ws_buffers = {} if self._ws_device.type == "cpu" else None  # one model copy of RAM on CPU
@@ -286,6 +321,7 @@ class WeightUpdateExtension:
         stats = {}
         self.reload_weights(weights_iterator=iter_tensors(self._ws_pg, header, self._ws_device, stats,
                                                           self._ws_buffers))
+        refresh_tied_heads(self._ws_tied_heads)
         seconds = time.perf_counter() - t0
         self._ws_stats = {"version": header["version"], "seconds": seconds, "bytes": sum(header["buckets"]),
                           "wire_s": t_header + stats["wait_s"], "load_s": seconds - t_header - stats["wait_s"]}

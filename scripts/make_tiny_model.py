@@ -63,7 +63,7 @@ def tiny_config(vocab_size=VOCAB_SIZE, hidden=128, layers=4, heads=4, kv_heads=2
     return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv_heads,
                        intermediate_size=intermediate, max_position_embeddings=max_pos,
-                       tie_word_embeddings=False,  # vLLM keeps a tied head stale after reload (DESIGN.md)
+                       tie_word_embeddings=False,  # as assets/tiny-model was built; tied works too (test_models.py)
                        bos_token_id=256, eos_token_id=256, pad_token_id=256, torch_dtype="float32",
                        rope_theta=10000.0, use_sliding_window=False)
 

@@ -160,11 +160,3 @@ def test_sender_checks_iterator_against_manifest():
     with pytest.raises(ws.ManifestError, match="more tensors"):
         sender.send(9, iter(tensors + tensors[:1]), _manifest(tensors))
 
-
-def test_tied_embeddings_rejected_at_init():
-    """vLLM keeps a tied lm_head stale after reload_weights (DESIGN.md): refuse before joining the group."""
-    from types import SimpleNamespace
-    worker = SimpleNamespace(model_config=SimpleNamespace(
-        model="some/tied-model", hf_config=SimpleNamespace(tie_word_embeddings=True)))
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        ws.WeightUpdateExtension.init_weight_group(worker, "127.0.0.1", 1, 2, 1, "gloo", 1)
