@@ -169,7 +169,7 @@ def gsm8k_folder(path, n_train=20, n_test=4):
 def test_gpu_recipe_runs_on_cpu_with_what_run_sh_installs(tmp_path):
     """configs/qwen2.5-1.5b-gsm8k.yaml's own keys (math task, HF-dataset loader, chat prompts, its lr, lag,
     activation checkpointing) on a tied tiny Qwen2, with only the CPU-scale keys overridden."""
-    model = tiny_chat_model(tmp_path / "model", tied=False)
+    model = tiny_chat_model(tmp_path / "model", tied=True)
     data = gsm8k_folder(tmp_path / "gsm8k")
     run_dir = tmp_path / "run"
     cpu_scale = ["actor.engines=1", "trainer.nproc=1", "model.dtype=float32",
