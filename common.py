@@ -2,8 +2,8 @@
 
 - Config: `config.yaml` read into one frozen dataclass per section; `section.key=value` overrides;
   unknown keys, wrong types and impossible combinations raise `ConfigError` naming the key.
-  `python common.py check [overrides]` validates and prints the resolved config (run.sh calls it
-  before starting any process).
+  `python common.py check [overrides]` also checks the model and this node's GPUs, and prints the resolved
+  config (run.sh runs the same `check` before starting any process).
 - Wire format (DESIGN.md): a ZMQ multipart message; frame 0 is a UTF-8 JSON header whose `arrays`
   lists `{name, dtype, shape}` for each following frame (the array's raw bytes). `send(sock, header,
   arrays)` / `recv(sock, kind) -> (header, arrays)`. Malformed input raises `WireError`; roles catch it,
@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -153,7 +152,7 @@ class Config:
     # --- derived values: computed here and nowhere else ---
     @property
     def run_dir(self) -> Path:
-        """run.sh always passes an explicit run.dir (see `resolve_run_dir`); a role started alone
+        """run.sh always passes an explicit run.dir (see scripts/launch.py `resolve_run_dir`); a role started alone
         without one writes to runs/standalone."""
         d = self.run.dir or "runs/standalone"
         return (REPO / d) if not os.path.isabs(d) else Path(d)
@@ -544,100 +543,117 @@ def read_jsonl(path) -> list:
     return out
 
 
-# --- run.sh helpers ----------------------------------------------------------------------------------
+# --- checks before any process starts (`python common.py check`; run.sh via scripts/launch.py) ---------
 
-def resolve_run_dir(cfg: Config, roles: list) -> str:
-    """run.dir="" -> a new runs/<time> (or, with run.resume=true, the newest run under runs/).
-    A run directory that already holds one of `roles`' metrics is only reused with run.resume=true."""
-    if not cfg.run.dir:
-        runs = sorted(p for p in (REPO / "runs").glob("*") if (p / "config.yaml").exists()) \
-            if (REPO / "runs").exists() else []
-        if cfg.run.resume:
-            if not runs:
-                raise ConfigError("run.resume=true but there is no run under runs/ to resume; pass run.dir=...")
-            return str(max(runs, key=lambda p: p.stat().st_mtime))
-        return str(REPO / "runs" / time.strftime("%Y%m%d-%H%M%S"))
-    d = cfg.run_dir
-    used = [r for r in roles if (d / f"metrics_{r}.jsonl").exists()]
-    if used and not cfg.run.resume:
-        raise ConfigError(f"run.dir={cfg.run.dir} already holds a run ({', '.join(used)} metrics): pass "
-                          f"run.resume=true to continue it, or choose another run.dir")
-    return str(d)
+def node_roles(cfg: Config) -> list:
+    """The roles run.sh starts on node NODE_RANK of NNODES: node 0 the verifier, nodes below trainer.nnodes
+    the trainer, every further node one actor (a single node runs all three)."""
+    nnodes, rank = int(os.environ.get("NNODES", "1")), int(os.environ.get("NODE_RANK", "0"))
+    return [role for role, here in (("verifier", rank == 0), ("trainer", rank < cfg.trainer.nnodes),
+                                    ("actor", rank >= cfg.trainer.nnodes or nnodes == 1)) if here]
 
 
-def _new_records(path: Path, offset: int):
-    """Complete JSONL lines appended to `path` since byte `offset` -> (records, new offset)."""
+def visible_gpus() -> list:
+    """This node's GPU ids as CUDA_VISIBLE_DEVICES names them: a non-empty CUDA_VISIBLE_DEVICES, else one
+    per `nvidia-smi -L` line, else none (a CPU machine). No torch import: run.sh asks before any role starts."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if env:
+        return [g.strip() for g in env.split(",") if g.strip()]
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            chunk = f.read()
-    except FileNotFoundError:
-        return [], offset
-    end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next poll
-    return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()], offset + end
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in out.splitlines()))]
 
 
-def progress(run_dir: str, poll_s: float = 1.0):
-    """Follow the trainer's and actor's metrics; print one line per optimizer step (run.sh).
-    Reads only what was appended since the last poll."""
-    run_dir, test, t0 = Path(run_dir), "-", None
-    offsets = {"metrics_trainer.jsonl": 0, "eval.jsonl": 0}
-    while True:
-        recs, offsets["metrics_trainer.jsonl"] = _new_records(run_dir / "metrics_trainer.jsonl",
-                                                              offsets["metrics_trainer.jsonl"])
-        evals, offsets["eval.jsonl"] = _new_records(run_dir / "eval.jsonl", offsets["eval.jsonl"])
-        if evals:
-            test = f"{evals[-1]['test_reward']:.3f} (v{evals[-1]['version']})"
-        for r in recs:
-            if "trainer/done" in r:
-                continue
-            t0 = t0 or r["time"] - r.get("trainer/elapsed_s", 0)
-            g = lambda k, f="{:.3g}": f.format(r[k]) if k in r else "-"  # noqa: E731
-            print(f"step {r['step']:>4} | reward {g('trainer/reward_mean', '{:.3f}')} | test {test} | "
-                  f"lag {g('trainer/lag_mean', '{:.2f}')}/{g('trainer/lag_max', '{:.0f}')} | "
-                  f"ess {g('trainer/ess', '{:.3f}')} | {g('trainer/samples_per_s', '{:.1f}')} samples/s | "
-                  f"{r['time'] - t0:.0f} s", flush=True)
-        time.sleep(poll_s)
+def device_sets(cfg: Config, roles, visible: list) -> dict:
+    """{"actor": ids, "trainer": ids}: the GPUs (comma-separated CUDA_VISIBLE_DEVICES ids) of the roles this
+    node runs ("" for the others). A listed set is kept; an empty one takes the first free visible GPUs,
+    actor first: actor.gpus = the first engines*tp, trainer.gpus = the trainer.nproc after the actor's (the
+    first trainer.nproc on a trainer-only node). No GPU visible: the config's values, untouched (CPU)."""
+    sets = {"actor": cfg.actor.gpus, "trainer": cfg.trainer.gpus}
+    if not visible:
+        return sets
+    need = {"actor": (cfg.actor.engines * cfg.actor.tp, "actor.engines*actor.tp"),
+            "trainer": (cfg.trainer.nproc, "trainer.nproc")}
+    taken, out = [], {"actor": "", "trainer": ""}
+    for role in sorted((r for r in out if r in roles), key=lambda r: not sets[r]):  # listed sets first
+        (n, what), key = need[role], f"{role}.gpus"
+        ids = [g.strip() for g in sets[role].split(",")] if sets[role] else \
+            [g for g in visible if g not in taken][:n]
+        for g in ids:
+            if g not in visible:
+                raise ConfigError(f"{key}: GPU {g} is not visible on this node (visible: {','.join(visible)}); "
+                                  f"list visible ids or leave it empty")
+            if g in taken:
+                raise ConfigError(f"actor.gpus/trainer.gpus: GPU {g} is given twice; give each role its own GPUs")
+            taken.append(g)
+        if len(ids) != n:
+            raise ConfigError(f"{key}: lists {len(ids)} GPUs but {what}={n}; list {n} or change "
+                              f"{what.replace('*', ' or ')}" if sets[role] else
+                              f"{key}: {what}={n} needs {n} GPUs but {len(ids)} of this node's {len(visible)} are "
+                              f"free; lower {what.replace('*', ' or ')}, or use more GPUs or nodes")
+        out[role] = ",".join(ids)
+    return out
 
 
-def summary(run_dir: str) -> str:
-    """run.sh's closing line: steps, first/last test reward, mean of the last three evaluations, max lag."""
-    steps = [r for r in read_jsonl(Path(run_dir) / "metrics_trainer.jsonl") if "trainer/done" not in r]
-    evals = read_jsonl(Path(run_dir) / "eval.jsonl")
-    line = f"[run.sh] summary: {steps[-1]['step'] if steps else 0} steps"
-    if evals:
-        last3 = [e["test_reward"] for e in evals[-3:]]
-        line += (f" | test reward {evals[0]['test_reward']:.3f} (v{evals[0]['version']}) -> "
-                 f"{evals[-1]['test_reward']:.3f} (v{evals[-1]['version']}), mean of last {len(last3)} evals "
-                 f"{sum(last3) / len(last3):.3f}")
-    if steps:
-        line += f" | max lag {max(r.get('trainer/lag_max', 0) for r in steps):.0f}"
-    return line
+def check_model(cfg: Config):
+    """model.path is a model the trainer can shard and vLLM can load: config.json read, the model built on
+    the meta device (no weights), vLLM's registry asked. Lazy imports: only a launch pays for them (~10 s)."""
+    name, path = cfg.model.path, cfg.model_path
+    if name == "assets/tiny-model":
+        return  # the embedded Qwen2 (scripts/make_tiny_model.py), which run.sh builds after the checks
+    if not os.path.isdir(path):
+        from huggingface_hub import try_to_load_from_cache
+        try:
+            cached = try_to_load_from_cache(name, "config.json")
+        except ValueError:  # HFValidationError: not a hub name either
+            cached = None
+        if not isinstance(cached, str):
+            raise ConfigError(f"model.path: {name!r} is neither a local model directory nor a model in the local "
+                              f"HF cache; point it at an HF model directory, or download it first (hf download {name})")
+        path = os.path.dirname(cached)
+    import torch
+    import transformers
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.path: transformers cannot build a causal LM from {name!r} ({e}); "
+                          f"point it at an HF causal LM directory") from e
+    arch = (config.architectures or [type(model).__name__])[0]
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+        raise ConfigError(f"model.path: {name!r} ({arch}) has no decoder blocks at model.model.layers and a "
+                          f"linear lm_head, which the trainer's FSDP shards; use a Llama/Qwen/Mistral-style LM")
+    from vllm.model_executor.models.registry import ModelRegistry
+    cls = getattr(transformers, arch, None)  # vLLM's fallback: its Transformers backend (registry.py)
+    if arch not in ModelRegistry.get_supported_archs() and not (
+            cls is not None and (cls.is_backend_compatible() or cls._can_set_attn_implementation())):
+        raise ConfigError(f"model.path: {name!r} ({arch}): vLLM cannot load this architecture; "
+                          f"use one in vLLM's list of supported models")
+
+
+def check(cfg: Config, roles=None, visible=None) -> dict:
+    """What can fail before a process starts beyond the config itself: the model, and this node's device
+    sets (returned; see `device_sets`)."""
+    check_model(cfg)
+    return device_sets(cfg, node_roles(cfg) if roles is None else roles,
+                       visible_gpus() if visible is None else visible)
 
 
 if __name__ == "__main__":
-    # `python common.py check [overrides]`: validate and print the resolved config.
-    # `python common.py shell ROLES [overrides]`: the values run.sh needs, as shell assignments.
-    # `python common.py progress RUN_DIR`: follow a run's metrics, one line per step.
-    # `python common.py summary RUN_DIR`: the run's closing line.
-    cmd = sys.argv[1] if len(sys.argv) > 1 else ""
-    if cmd == "check":
-        print(yaml.safe_dump(config_to_dict(parse_argv(sys.argv[2:])), sort_keys=False), end="")
-    elif cmd == "shell":
-        cfg = parse_argv(sys.argv[3:])
-        try:
-            run_dir = resolve_run_dir(cfg, sys.argv[2].split(","))
-        except ConfigError as e:
-            sys.exit(f"config error: {e}")
-        values = {"RUN_DIR": run_dir, "TRAINER_NPROC": cfg.trainer.nproc, "TRAINER_NNODES": cfg.trainer.nnodes,
-                  "ACTOR_CORES": cfg.actor.cpu_cores, "TRAINER_CORES": cfg.trainer.cpu_cores,
-                  "VERIFIER_CORES": cfg.verifier.cpu_cores, "ACTOR_GPUS": cfg.actor.gpus,
-                  "TRAINER_GPUS": cfg.trainer.gpus, "MODEL_PATH": cfg.model.path,
-                  "PEER_TIMEOUT": int(cfg.run.peer_timeout_s), "SYNC_PORT": cfg.sync.port}
-        print("\n".join(f"{k}={shlex.quote(str(v))}" for k, v in values.items()))
-    elif cmd == "progress":
-        progress(sys.argv[2])
-    elif cmd == "summary":
-        print(summary(sys.argv[2]))
-    else:
-        sys.exit("usage: python common.py check|shell ROLES|progress RUN_DIR|summary RUN_DIR [section.key=value ...]")
+    # `python common.py check [overrides]`: validate the config, the model and this node's GPUs (NODE_RANK,
+    # NNODES as run.sh sees them); print the resolved config. Exit 2 with the error alone otherwise.
+    if sys.argv[1:2] != ["check"]:
+        sys.exit("usage: python common.py check [section.key=value ...]")
+    try:
+        cfg = load_config(sys.argv[2:])
+        gpus = check(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    resolved = config_to_dict(cfg)
+    resolved["actor"]["gpus"], resolved["trainer"]["gpus"] = gpus["actor"], gpus["trainer"]
+    print(yaml.safe_dump(resolved, sort_keys=False), end="")

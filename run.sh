@@ -14,7 +14,7 @@ ROOT="$PWD"
 have_deps() {
   "$1" - <<'PY' >/dev/null 2>&1
 import importlib, sys
-for m in ("torch", "vllm", "transformers", "zmq", "numpy", "yaml", "math_verify", "safetensors", "pytest", "matplotlib", "wandb"):
+for m in ("torch", "vllm", "transformers", "zmq", "numpy", "yaml", "math_verify", "safetensors", "pytest", "matplotlib", "wandb", "datasets"):
     importlib.import_module(m)
 import torch, vllm  # noqa: F401  (import vllm fails when torchvision mismatches torch)
 PY
@@ -60,16 +60,13 @@ if (( NNODES > 1 )); then
   # Every role finds trainer rank 0 (TCPStore, weight group) and the verifier (ZMQ) on node 0.
   OVERRIDES=("sync.host=$MASTER_ADDR" "ports.host=$MASTER_ADDR" "${OVERRIDES[@]}")
 fi
-TNODES=$("$PY" common.py check "${OVERRIDES[@]}" | "$PY" -c "import sys,yaml; print(yaml.safe_load(sys.stdin)['trainer']['nnodes'])") || exit 2
-ROLES=()
-if (( NODE_RANK == 0 )); then ROLES+=(verifier); fi
-if (( NODE_RANK < TNODES )); then ROLES+=(trainer); fi
-if (( NODE_RANK >= TNODES || NNODES == 1 )); then ROLES+=(actor); fi
 if (( NNODES > 1 )) && ! printf '%s\n' "${OVERRIDES[@]}" | grep -q '^run.dir='; then
-  echo "config error: with NNODES>1 pass the same run.dir=... on every node" >&2; exit 2
+  echo "config error: run.dir: with NNODES>1 it must be explicit; pass the same run.dir=... on every node" >&2; exit 2
 fi
-eval "$("$PY" common.py shell "$(IFS=,; echo "${ROLES[*]}")" "${OVERRIDES[@]}")" || exit 2
-OVERRIDES+=("run.dir=$RUN_DIR")
+# Config, model and GPU checks (common.check), this node's roles and resolved device sets, as shell values.
+SHELL_VALUES=$(NODE_RANK=$NODE_RANK "$PY" scripts/launch.py shell "${OVERRIDES[@]}") || exit 2
+eval "$SHELL_VALUES"
+OVERRIDES+=("${GPU_OVERRIDES[@]}" "run.dir=$RUN_DIR")
 mkdir -p "$RUN_DIR/logs"
 
 # --- the embedded model: built once, cached ------------------------------------------------------
@@ -86,7 +83,9 @@ launch() {  # launch ROLE CORES GPUS command...
   local pin=()
   if [[ -z "$gpus" && -n "$cores" ]]; then pin=(taskset -c "$cores"); fi
   local threads; threads=$(cores_count "${cores:-0}")
-  OMP_NUM_THREADS=$threads PIPELINERL_THREADS=$threads CUDA_VISIBLE_DEVICES="$gpus" \
+  # gpus is the role's resolved set on a GPU node (never empty for actor/trainer there: common.check),
+  # "" for the verifier and on a CPU machine, where an empty CUDA_VISIBLE_DEVICES hides nothing needed.
+  OMP_NUM_THREADS=$threads CUDA_VISIBLE_DEVICES="$gpus" \
     setsid "${pin[@]}" "$@" >>"$RUN_DIR/logs/$role.log" 2>&1 < /dev/null &
   PIDS[$role]=$!
   echo "[run.sh] started $role (pid ${PIDS[$role]}, cores ${cores:-all}${gpus:+, gpus $gpus}) -> $RUN_DIR/logs/$role.log"
@@ -117,7 +116,7 @@ for role in "${ROLES[@]}"; do
   esac
 done
 if [[ -n "${PIDS[trainer]:-}" && "$NODE_RANK" == 0 ]]; then
-  "$PY" common.py progress "$RUN_DIR" & PROGRESS_PID=$!
+  "$PY" scripts/launch.py progress "$RUN_DIR" & PROGRESS_PID=$!
 fi
 
 # --- watch: the run ends when the trainer ends (or, on an actor-only node, when the actor ends) ------
@@ -129,7 +128,7 @@ while true; do
       if [[ "$role" == "$MAIN" && $rc == 0 ]]; then
         sleep 1; stop_all
         echo "[run.sh] done: $MAIN finished; run directory: $RUN_DIR"
-        "$PY" common.py summary "$RUN_DIR" || true
+        "$PY" scripts/launch.py summary "$RUN_DIR" || true
         exit 0
       fi
       if [[ "$role" != "$MAIN" && $rc == 0 ]]; then   # e.g. the actor saw the trainer's "done" first

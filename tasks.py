@@ -114,15 +114,12 @@ def gold_answer(record: dict) -> str:
 
 
 def load_records(source: str, split: str) -> list:
-    """A local JSONL path, or an HF dataset name (`name` or `name:config`) when `datasets` is installed."""
-    if source.endswith(".jsonl") or os.path.exists(source):
+    """A local JSONL file; else, read by `datasets`, an HF dataset (`name` or `name:config`, from the hub or
+    the local HF cache) or a local dataset folder (e.g. train.jsonl + test.jsonl: split = file name)."""
+    if source.endswith(".jsonl") or os.path.isfile(source):
         with open(source) as f:
             return [json.loads(line) for line in f if line.strip()]
-    try:
-        import datasets
-    except ImportError as e:
-        raise SystemExit(f"data path {source!r} is not a .jsonl file and the `datasets` package is not "
-                         f"installed (pip install datasets) to load it from the HF hub") from e
+    import datasets
     name, _, config = source.partition(":")
     return list(datasets.load_dataset(name, config or None, split=split))
 

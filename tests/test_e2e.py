@@ -1,7 +1,7 @@
-"""Tier (c): `run.sh` end to end in subprocesses, on a tiny random model: success, failures, resume,
-two "nodes" on loopback, and the README's paths.
+"""Tier (c): `run.sh` end to end in subprocesses, on a tiny random model: success, failures, bad input,
+resume, two "nodes" on loopback, the GPU recipe's keys on CPU, and the README's paths.
 
-Run: bash run.sh test tests/test_e2e.py      (about 6-8 minutes on 2 cores)
+Run: bash run.sh test tests/test_e2e.py      (about 9-11 minutes on 2 cores)
 """
 import json
 import os
@@ -109,6 +109,81 @@ def test_bad_config_fails_before_starting(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "actor.typo" in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def ports(run_dir):
+    return [f"run.dir={run_dir}", f"sync.port={free_port()}", f"ports.rollouts={free_port()}",
+            f"ports.samples={free_port()}"]
+
+
+def test_bad_override_prints_the_config_error_alone(tmp_path):
+    r = subprocess.run(["bash", "run.sh", "trainer.lr=abc", *ports(tmp_path / "x")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.splitlines() == ["config error: trainer.lr: expected a number, got 'abc'"] and not r.stdout
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_model_fails_before_any_process_starts(tmp_path):
+    r = subprocess.run(["bash", "run.sh", "model.path=/nonexistent", *ports(tmp_path / "x")], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.splitlines() == [
+        "config error: model.path: '/nonexistent' is neither a local model directory nor a model in the local HF "
+        "cache; point it at an HF model directory, or download it first (hf download /nonexistent)"]
+    assert "started" not in r.stdout and not (tmp_path / "x").exists()
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_chat_model(out_dir, tied):
+    """A random tiny Qwen2 (the real HF config class) with the char tokenizer and a ChatML-style template."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from scripts.make_tiny_model import make_tokenizer, save, tiny_config
+    config = tiny_config(max_pos=1024)  # chat prompts of GSM8K questions: ~300 byte tokens
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return save(model, tokenizer, out_dir)
+
+
+def gsm8k_folder(path, n_train=20, n_test=4):
+    """GSM8K's format ({"question", "answer" ending in "#### N"}) as a local HF dataset folder."""
+    path.mkdir()
+    for split, n, off in (("train", n_train, 0), ("test", n_test, 100)):
+        rows = [{"question": f"Natalia sold {a} clips in April and {a + 7} clips in May. How many clips did "
+                             f"Natalia sell altogether in April and May?",
+                 "answer": f"In May she sold {a}+7 = <<{a}+7={a + 7}>>{a + 7} clips.\nAltogether "
+                           f"{a}+{a + 7} = <<{a}+{a + 7}={2 * a + 7}>>{2 * a + 7} clips.\n#### {2 * a + 7}"}
+                for a in range(off + 3, off + 3 + n)]
+        (path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_gpu_recipe_runs_on_cpu_with_what_run_sh_installs(tmp_path):
+    """configs/qwen2.5-1.5b-gsm8k.yaml's own keys (math task, HF-dataset loader, chat prompts, its lr, lag,
+    activation checkpointing) on a tied tiny Qwen2, with only the CPU-scale keys overridden."""
+    model = tiny_chat_model(tmp_path / "model", tied=True)
+    data = gsm8k_folder(tmp_path / "gsm8k")
+    run_dir = tmp_path / "run"
+    cpu_scale = ["actor.engines=1", "trainer.nproc=1", "model.dtype=float32",
+                 "trainer.batch_size=16", "actor.max_inflight=32", "actor.max_tokens=24", "trainer.max_steps=3",
+                 "verifier.workers=1", "run.peer_timeout_s=120"]
+    rc, out = finish(start(["configs/qwen2.5-1.5b-gsm8k.yaml", f"model.path={model}", f"data.train_path={data}",
+                            f"data.test_path={data}", *cpu_scale, *ports(run_dir)]))
+    assert rc == 0, out[-6000:]
+    assert trainer_steps(run_dir)[-1] == 3
+    resolved = common.load_config([], path=run_dir / "config.yaml")
+    assert (resolved.data.task, resolved.data.prompt_format, resolved.trainer.lr) == ("math", "chat", 1e-6)
+    evals = common.read_jsonl(run_dir / "eval.jsonl")
+    assert evals and evals[0]["version"] == 0  # the 4 test problems, graded by math_verify
+    assert len(common.read_jsonl(run_dir / "samples_trainer.jsonl")) == 3
 
 
 def _descendants(pid):

@@ -113,22 +113,6 @@ def test_wandb_offline_mirror(tmp_path, monkeypatch):
     assert common.read_jsonl(tmp_path / "metrics_verifier.jsonl")[-1]["verifier/reward_mean"] == 0.625
 
 
-def test_progress_reads_only_appended_complete_lines(tmp_path):
-    path = tmp_path / "metrics_trainer.jsonl"
-    path.write_text('{"step": 1}\n{"step": 2}\n{"ste')  # the writer is mid-line
-    recs, off = common._new_records(path, 0)
-    assert [r["step"] for r in recs] == [1, 2]
-    with open(path, "a") as f:
-        f.write('p": 3}\n')
-    recs, off2 = common._new_records(path, off)
-    assert [r["step"] for r in recs] == [3] and off2 == path.stat().st_size
-    assert common._new_records(tmp_path / "missing.jsonl", 5) == ([], 5)
-    (tmp_path / "eval.jsonl").write_text('{"version": 0, "test_reward": 0.4}\n{"version": 10, "test_reward": 0.5}\n')
-    path.write_text('{"step": 7, "trainer/lag_max": 2}\n{"step": 7, "trainer/done": 1}\n')
-    assert common.summary(str(tmp_path)) == ("[run.sh] summary: 7 steps | test reward 0.400 (v0) -> 0.500 (v10), "
-                                             "mean of last 2 evals 0.450 | max lag 2")
-
-
 # --- wire format --------------------------------------------------------------------------------------
 
 def _rollout(n=5):

@@ -1,0 +1,189 @@
+"""Tier (a)/(b): what run.sh checks and resolves before any process starts (common.check, scripts/launch.py):
+GPU device sets on fake device counts, model checks on tiny model directories, the HF-datasets loader,
+progress and summary lines. No GPU, no network.
+
+Run: bash run.sh test tests/test_launch.py      (about 1 minute on 2 cores)
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import common
+import tasks
+from common import ConfigError
+from conftest import REPO
+from scripts import launch
+
+BOTH = ("verifier", "trainer", "actor")
+
+
+# --- GPU device sets ------------------------------------------------------------------------------------
+
+def gpus(overrides, roles=BOTH, n=8, visible=None):
+    cfg = common.load_config(overrides)
+    return common.device_sets(cfg, roles, visible or [str(i) for i in range(n)])
+
+
+def test_device_sets_defaults_follow_the_documented_layout():
+    recipe = ["configs/qwen2.5-1.5b-gsm8k.yaml"]  # 4 engines, 4 trainer ranks
+    assert gpus(recipe) == {"actor": "0,1,2,3", "trainer": "4,5,6,7"}
+    assert gpus(recipe, visible=[str(i) for i in range(8, 16)]) == {"actor": "8,9,10,11", "trainer": "12,13,14,15"}
+    assert gpus([], n=2) == {"actor": "0", "trainer": "1"}
+    assert gpus(["actor.engines=2", "actor.tp=2", "trainer.nproc=2", "trainer.batch_size=16"], n=6) == \
+        {"actor": "0,1,2,3", "trainer": "4,5"}
+    # a trainer-only node (node 0 of a multi-node run) and an actor-only node: the first GPUs are theirs
+    assert gpus(["trainer.nproc=4"], roles=("verifier", "trainer"), n=4) == {"actor": "", "trainer": "0,1,2,3"}
+    assert gpus(["actor.engines=2", "actor.tp=2"], roles=("actor",), n=4) == {"actor": "0,1,2,3", "trainer": ""}
+    # a listed set is kept; the other role's default takes the GPUs left free
+    assert gpus(["trainer.gpus=0"], n=2) == {"actor": "1", "trainer": "0"}
+    # CUDA_VISIBLE_DEVICES ids are handed out as they are named
+    assert gpus([], visible=["4", "6"]) == {"actor": "4", "trainer": "6"}
+
+
+def test_device_sets_on_a_cpu_machine_are_the_config_values():
+    assert common.device_sets(common.load_config([]), BOTH, []) == {"actor": "", "trainer": ""}
+    cfg = common.load_config(["actor.gpus=0"])
+    assert common.device_sets(cfg, BOTH, []) == {"actor": "0", "trainer": ""}
+
+
+@pytest.mark.parametrize("overrides,n,needle", [
+    ([], 1, "config error: trainer.gpus: trainer.nproc=1 needs 1 GPUs but 0 of this node's 1 are free"),
+    (["actor.engines=4"], 2, "actor.gpus: actor.engines*actor.tp=4 needs 4 GPUs but 2"),
+    (["actor.gpus=0,1", "actor.engines=2", "trainer.gpus=1"], 4, "actor.gpus/trainer.gpus: GPU 1 is given twice"),
+    (["actor.gpus=0,0", "actor.engines=2"], 4, "GPU 0 is given twice"),
+    (["actor.gpus=5"], 4, "actor.gpus: GPU 5 is not visible on this node (visible: 0,1,2,3)"),
+    (["trainer.gpus=1,2,3"], 4, "trainer.gpus: lists 3 GPUs but trainer.nproc=1; list 1 or change trainer.nproc"),
+])
+def test_device_sets_reject_naming_the_keys(overrides, n, needle):
+    with pytest.raises(ConfigError) as e:
+        gpus(overrides, n=n)
+    assert needle in f"config error: {e.value}" and "; " in str(e.value)
+
+
+def test_visible_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert common.visible_gpus() == ["2", "3"]
+    # empty or unset: count the devices nvidia-smi lists (here a script printing its real output format)
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)'\n"
+                    "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-b)'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert common.visible_gpus() == ["0", "1"]
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert common.visible_gpus() == []  # no nvidia-smi: a CPU machine
+
+
+def shell_values(text):
+    echo = 'echo "$ACTOR_GPUS|$TRAINER_GPUS|${ROLES[*]}|${GPU_OVERRIDES[*]}"'
+    out = subprocess.run(["bash", "-c", f"{text}\n{echo}"], capture_output=True, text=True, check=True).stdout
+    return out.strip().split("|")
+
+
+def test_shell_hands_every_role_its_resolved_gpus(tmp_path):
+    """What run.sh evals: on a GPU node the actor and trainer get non-empty sets, also as overrides (so that
+    actor.py splits the same ids among its engines); on a CPU machine nothing changes."""
+    run = f"run.dir={tmp_path}/run"
+    assert shell_values(launch.shell([run], visible=["0", "1"])) == \
+        ["0", "1", "verifier trainer actor", "actor.gpus=0 trainer.gpus=1"]
+    assert shell_values(launch.shell([run], visible=[])) == ["", "", "verifier trainer actor", ""]
+    # through the command line, as run.sh calls it, with CUDA_VISIBLE_DEVICES naming the node's GPUs
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7", "NNODES": "2", "NODE_RANK": "1"}
+    r = subprocess.run([sys.executable, "scripts/launch.py", "shell", run, "actor.engines=2", "actor.tp=2"],
+                       cwd=REPO, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert shell_values(r.stdout) == ["4,5,6,7", "", "actor", "actor.gpus=4,5,6,7"]
+    env["CUDA_VISIBLE_DEVICES"] = "0"
+    r = subprocess.run([sys.executable, "scripts/launch.py", "shell", run], cwd=REPO,
+                       env=env | {"NNODES": "1", "NODE_RANK": "0"}, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("config error: trainer.gpus:") and not r.stdout
+
+
+# --- model checks -----------------------------------------------------------------------------------------
+
+def config_only_dir(path, config):
+    """A model directory holding only config.json: the checks read no weights."""
+    config.save_pretrained(path)
+    return str(path)
+
+
+def check_model(path):
+    common.check_model(common.load_config([f"model.path={path}"]))
+
+
+def test_check_model_accepts_the_tiny_model_and_one_in_the_hf_cache(tiny_model_dir, tmp_path, monkeypatch):
+    check_model(tiny_model_dir)
+    # the local HF cache's layout: models--org--name/{refs/main, snapshots/<commit>/...}
+    import huggingface_hub
+    repo = tmp_path / "hub" / "models--someone--tiny-qwen2"
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    check_model("someone/tiny-qwen2")
+    with pytest.raises(ConfigError, match="someone/other.* is neither a local model directory nor a model in the local"):
+        check_model("someone/other")
+
+
+def test_check_model_rejects_what_the_trainer_or_vllm_cannot_run(tmp_path):
+    from transformers import GPT2Config, XGLMConfig
+    # GPT-2: vLLM loads it, but its blocks are transformer.h, not model.model.layers
+    gpt2 = config_only_dir(tmp_path / "gpt2", GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=264,
+                                                         architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ConfigError) as e:
+        check_model(gpt2)
+    assert str(e.value).startswith("model.path: ") and "(GPT2LMHeadModel)" in str(e.value)
+    assert "model.model.layers" in str(e.value)
+    # XGLM: the trainer could shard it (model.model.layers), but vLLM 0.32 has no implementation of it
+    xglm = config_only_dir(tmp_path / "xglm", XGLMConfig(num_layers=2, d_model=64, attention_heads=2,
+                                                         ffn_dim=128, vocab_size=264,
+                                                         architectures=["XGLMForCausalLM"]))
+    with pytest.raises(ConfigError) as e:
+        check_model(xglm)
+    assert str(e.value).startswith("model.path: ") and "(XGLMForCausalLM): vLLM cannot load" in str(e.value)
+    with pytest.raises(ConfigError, match="model.path: '/nonexistent' is neither a local model directory"):
+        check_model("/nonexistent")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="model.path: transformers cannot build a causal LM"):
+        check_model(tmp_path / "empty")
+
+
+# --- the GPU recipe's dependencies: HF datasets ------------------------------------------------------------
+
+def test_hf_datasets_loader_reads_a_local_dataset_folder(tmp_path):
+    """datasets.load_dataset on a folder of JSONL files: the HF-dataset branch of load_records, offline."""
+    folder = tmp_path / "gsm8k"
+    folder.mkdir()
+    for split, n in (("train", 5), ("test", 3)):
+        (folder / f"{split}.jsonl").write_text("".join(
+            json.dumps({"question": f"{split} {i}+1?", "answer": f"so\n#### {i + 1}"}) + "\n" for i in range(n)))
+    train = tasks.math_problems(str(folder), "train")
+    test = tasks.math_problems(str(folder), "test")
+    assert [p.answer for p in train] == ["1", "2", "3", "4", "5"] and len(test) == 3
+    assert test[0].prompt == "test 0+1?"
+    cfg = common.load_config(["data.task=math", f"data.train_path={folder}", f"data.test_path={folder}"])
+    stream, test = tasks.load_tasks(cfg)
+    assert len(test) == 3 and stream.get(0).prompt.startswith("train ")
+
+
+# --- progress and summary (run.sh's lines) -------------------------------------------------------------------
+
+def test_progress_reads_only_appended_complete_lines(tmp_path):
+    path = tmp_path / "metrics_trainer.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"ste')  # the writer is mid-line
+    recs, off = launch._new_records(path, 0)
+    assert [r["step"] for r in recs] == [1, 2]
+    with open(path, "a") as f:
+        f.write('p": 3}\n')
+    recs, off2 = launch._new_records(path, off)
+    assert [r["step"] for r in recs] == [3] and off2 == path.stat().st_size
+    assert launch._new_records(tmp_path / "missing.jsonl", 5) == ([], 5)
+    (tmp_path / "eval.jsonl").write_text('{"version": 0, "test_reward": 0.4}\n{"version": 10, "test_reward": 0.5}\n')
+    path.write_text('{"step": 7, "trainer/lag_max": 2}\n{"step": 7, "trainer/done": 1}\n')
+    assert launch.summary(str(tmp_path)) == ("[run.sh] summary: 7 steps | test reward 0.400 (v0) -> 0.500 (v10), "
+                                             "mean of last 2 evals 0.450 | max lag 2")
