@@ -321,12 +321,12 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
 
     # --- first weights: the trainer's newest announced version ---
     deadline = time.time() + cfg.run.peer_timeout_s
-    while not store.check(["cursor", "announced"]):  # the trainer sets the cursor, then announces version 0
+    while not (store.check(["cursor"]) and (n := int(store.add("announced", 0))) >= 1):  # cursor, then version 0
         if time.time() > deadline:
             raise PeerTimeout(f"no weights announced by the trainer at {cfg.sync.host}:{cfg.sync.port} "
                               f"after {cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s)")
         await asyncio.sleep(0.01)
-    cursor, n = int(store.get("cursor")), int(store.add("announced", 0))
+    cursor = int(store.get("cursor"))
     announced = int(store.get(f"announce/{n}"))  # (get waits while the trainer is between its two writes)
     announcements = Announcements(cfg, n + 1, loop, wake)
     loaded = await engines[0].get_weight_version()

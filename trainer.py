@@ -721,4 +721,11 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:  # e.g. no samples: a broadcast still pending in the AsyncSender's thread would
+        if e.code not in (None, 0):  # make interpreter teardown abort ("terminate called"): leave at once
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr, flush=True)
+            os._exit(e.code if isinstance(e.code, int) else 1)
+        raise

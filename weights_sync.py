@@ -393,6 +393,7 @@ class WeightUpdateExtension:
         self.reload_weights(weights_iterator=iter_tensors(self._ws_pg, header, self._ws_device, stats,
                                                           self._ws_buffers))
         refresh_tied_heads(self._ws_tied_heads)
+        self._ws_header = header
         seconds = time.perf_counter() - t0
         self._ws_stats = {"version": header["version"], "seconds": seconds, "bytes": sum(header["buckets"]),
                           "wire_s": t_header + stats["wait_s"], "load_s": seconds - t_header - stats["wait_s"]}
@@ -400,3 +401,10 @@ class WeightUpdateExtension:
 
     def weight_sync_stats(self) -> dict:
         return self._ws_stats
+
+    def received_digests(self) -> dict:
+        """name -> sha256 of the bytes the last update delivered (CPU receive buffers): what a test or a
+        suspicious user compares with the trainer's tensors."""
+        import hashlib
+        return {e["name"]: hashlib.sha256(self._ws_buffers[e["bucket"]][e["offset"]:e["offset"] + e["nbytes"]]
+                                          .numpy().tobytes()).hexdigest() for e in self._ws_header["tensors"]}

@@ -437,6 +437,62 @@ def test_backpressure_does_not_block_the_loop(env):
     assert st.version == box["version"] and st.pushed < st.started_total  # pushes were still waiting
 
 
+def test_async_send_newest_only_bit_identical(env):
+    """trainer.send_weights with sync.async_send (the default) and a real trainer state: a 'trainer' thread
+    makes a new version every 20 ms (every weight + 1e-3) while the receiver (the actor's update path into
+    the real engine) is slowed on purpose (0.3 s before each update). Every broadcast delivers the version
+    it announces; versions only increase and the newest arrives last (the final send waits, as the
+    conventional schedule's do); intermediate versions are skipped; every received update is bit-identical
+    to the trainer's weights of that version, never a mix of two (a version staged while the previous
+    one is still on the wire would tear it)."""
+    import hashlib
+    import trainer as T
+    cfg = common.load_config([f"model.path={env['model_dir']}", f"run.dir={env['tmp']}", "trainer.batch_size=8",
+                              "actor.group_size=4"])
+    state = T.build_state(cfg, torch.device("cpu"))
+    sender = ws.AsyncSender(env["trainer"].sender)
+    v0 = env["trainer"].version + 1
+    versions, expected, done = range(v0, v0 + 40), {}, threading.Event()
+
+    def trainer_thread():
+        for v in versions:
+            state.step = v
+            with torch.no_grad():
+                for u in state.fsdp.units:
+                    u.shard.add_(1e-3 if v > v0 else 0.0)
+            expected[v] = {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+                           for unit in state.fsdp.full_units(torch.float32) for n, t in unit.items()}
+            T.send_weights(state, sender, cfg, wait=v in (v0, versions[-1]))  # first and last: never skipped
+            time.sleep(0.02)
+        sender.close()  # waits for the last broadcast
+        done.set()
+
+    async def receiver():
+        got, n = [], int(env["store"].add("announced", 0))
+        while not (done.is_set() and int(env["store"].add("announced", 0)) == n):
+            if int(env["store"].add("announced", 0)) == n:
+                await asyncio.sleep(0.01)
+                continue
+            n += 1
+            version = int(env["store"].get(f"announce/{n}"))
+            await asyncio.sleep(0.3)  # a slow receiver: the trainer goes on meanwhile
+            stats, _ = await actor.update_weights([env["engine"]], version, False, 60)
+            got.append((version, stats[0]["version"], (await env["engine"].collective_rpc("received_digests"))[0]))
+        return got
+
+    th = threading.Thread(target=trainer_thread)
+    th.start()
+    got = env["loop"].run_until_complete(receiver())
+    th.join()
+    env["trainer"].version = versions[-1]
+    received = [v for v, _, _ in got]
+    assert [v for _, v, _ in got] == received  # each broadcast carries its own version
+    assert received == sorted(set(received)) and received[0] == v0 and received[-1] == versions[-1]
+    for version, _, digest in got:
+        assert digest == expected[version], version  # bit-identical, not torn
+    assert len(received) < len(versions) // 2  # the slow receiver made the trainer skip versions
+
+
 def test_admission_budgets_hand_worked():
     """admit(): pipeline budget (u_min - v0 + max_lag + 1)*B/P minus what was dropped; conventional quota
     B*(G - version % G)/P per RL step (a run resumed mid-RL-step finishes that RL step, no extra batch)."""

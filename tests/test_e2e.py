@@ -104,6 +104,54 @@ def test_e2e_single_node(tiny_model_dir, tmp_path):
     assert vllm_greedy(ckpt, prompts, 8) == hf_greedy(ckpt, prompts, 8)
 
 
+def max_token_lag(run_dir):
+    return max(rec["trainer_version"] - v for rec in common.read_jsonl(Path(run_dir) / "samples_trainer.jsonl")
+               for runs in rec["version_runs"] for v, _ in runs)
+
+
+def eos_model_dir(out_dir, p_eos=0.3):
+    """A model whose next-token distribution is the same at every position, with P(EOS) = p_eos: completion
+    lengths are geometric, so an overlong penalty gives some groups different rewards and others (every
+    attempt short) the same ones. Attention and MLP outputs are zeroed and every embedding row is one
+    vector e, so the final hidden state is h = norm(e); the EOS row of lm_head is set along h."""
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+    from scripts.make_tiny_model import make_tokenizer, random_model_dir
+    d = random_model_dir(out_dir, seed=0)
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    e = sd["model.embed_tokens.weight"][0].clone()
+    sd["model.embed_tokens.weight"][:] = e
+    for k in sd:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[k].zero_()
+    h = e / e.pow(2).mean().sqrt() * sd["model.norm.weight"]
+    head = sd["lm_head.weight"]
+    head.zero_()  # every other token: logit 0
+    V, eos = head.shape[0], make_tokenizer().eos_token_id
+    head[eos] = float(np.log(p_eos * (V - 1) / (1 - p_eos))) * h / h.pow(2).sum()  # logit_eos = log(p(V-1)/(1-p))
+    save_file(sd, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.parametrize("schedule", ["pipeline", "conventional"])
+def test_dropped_groups_do_not_stall_either_schedule(tmp_path, schedule):
+    """verifier.drop_zero_adv_groups=true drops every group whose rewards are all equal (a third here: every
+    attempt at most 4 tokens long, no penalty); the drops reach the actor's budget (store dropped/<proc>),
+    so the run gets to trainer.max_steps with every token's lag <= max_lag (issue 13: it stalled on the
+    first dropped group, or after ~max_lag*B drops)."""
+    run_dir = tmp_path / "run"
+    extra = {"verifier.drop_zero_adv_groups": "true", "actor.max_tokens": 8, "verifier.overlong_buffer": 4,
+             "trainer.max_steps": 4, "actor.eval_every": 0}
+    if schedule == "conventional":
+        extra.update({"actor.schedule": "conventional", "actor.G_steps": 2})
+    rc, out = finish(start(short_config(eos_model_dir(tmp_path / "model"), run_dir, **extra)), timeout=600)
+    assert rc == 0, out[-6000:]
+    assert trainer_steps(run_dir)[-1] == 4
+    verifier = common.read_jsonl(run_dir / "metrics_verifier.jsonl")[-1]
+    assert verifier["verifier/dropped_groups"] >= 1, verifier  # the drops happened
+    assert max_token_lag(run_dir) <= MAX_LAG
+
+
 def test_bad_config_fails_before_starting(tmp_path):
     r = subprocess.run(["bash", "run.sh", "actor.typo=1", f"run.dir={tmp_path}/x"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)

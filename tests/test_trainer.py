@@ -407,6 +407,52 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
     push.close()
 
 
+def _dying_actor(sync_port):
+    """Joins the weight group, takes version 0, then dies without a word (os._exit: no clean shutdown)."""
+    import weights_sync as ws
+    pg = ws.init_group(ws.create_store("127.0.0.1", sync_port, False, 60), 1, 2, "gloo", 60)
+    ws.receive(pg)
+    os._exit(0)
+
+
+def test_dead_receiver_stops_the_trainer_with_a_clear_error(tmp_path):
+    """sync.async_send: the broadcast thread's failure (its receiver died) stops the training loop at its next
+    send, non-zero and naming the weight broadcast, instead of hanging."""
+    import zmq
+    model_dir = tmp_path / "model"
+    tiny_model().save_pretrained(model_dir)
+    samples_port, sync_port = free_port(), free_port()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(f"tcp://127.0.0.1:{samples_port}")
+    stop = threading.Event()
+
+    def verifier():
+        i = 0
+        while not stop.is_set():
+            try:
+                push.send_multipart(_sample_frames(i, 0), flags=zmq.NOBLOCK)
+                i += 1
+            except zmq.Again:
+                time.sleep(0.05)
+
+    proc = _launch(tmp_path, model_dir, 1, sync_port, samples_port, "trainer.max_steps=200", "sync.timeout_s=30")
+    dying = mp.get_context("spawn").Process(target=_dying_actor, args=(sync_port,))
+    dying.start()
+    th = threading.Thread(target=verifier, daemon=True)
+    th.start()
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        stop.set()
+        proc.kill()
+        push.close()
+    dying.join(timeout=10)
+    assert proc.returncode != 0, out[-3000:]
+    assert "the weight broadcast to the actors failed" in out, out[-3000:]
+    assert '"trainer/done"' not in (tmp_path / "metrics_trainer.jsonl").read_text()
+
+
 def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
     import zmq
     addr = f"tcp://127.0.0.1:{free_port()}"  # nobody binds it
