@@ -93,8 +93,8 @@ def start_engines(cfg, proc_index: int = 0) -> list:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores  # one OMP thread per listed core
         return [AsyncLLM.from_engine_args(engine_args(cfg, proc_index)) for _ in range(cfg.actor.engines)]
     import torch
-    gpus = cfg.actor.gpus.split(",") if cfg.actor.gpus else [str(i) for i in range(torch.cuda.device_count())]
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")  # physical ids (run.sh passes them as actor.gpus too)
+    gpus = (cfg.actor.gpus or before or ",".join(map(str, range(torch.cuda.device_count())))).split(",")
     for e in range(cfg.actor.engines):
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[e * cfg.actor.tp:(e + 1) * cfg.actor.tp])
         engines.append(AsyncLLM.from_engine_args(engine_args(cfg, proc_index)))

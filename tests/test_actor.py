@@ -203,6 +203,34 @@ def test_behaviour_logprobs_match_hf(env, temperature):
     assert worst < 1e-4, worst
 
 
+def test_top_p_importance_weights_are_one_on_policy(env):
+    """actor.top_p=0.9: vLLM's μ is the nucleus-renormalised probability (processed_logprobs). The trainer's
+    π (loss.completion_logprobs with the same top_p, on the same weights) must describe the same
+    distribution: on-policy w = π/μ = 1 within 1e-4 (fp32 both sides, as above). The full softmax, what
+    the trainer used before issue 13, is off by log(nucleus mass) ~ -0.1 here (w ~ 0.9)."""
+    import loss
+    from transformers import Qwen2ForCausalLM
+    version = load(env, env["sd"])
+    cfg = make_cfg(env["tmp"], env["model_dir"], 1, 1, "actor.top_p=0.9", "actor.max_tokens=24")
+    params = actor.sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
+    outs = env["loop"].run_until_complete(_gather(*(
+        actor.generate(env["engine"], p, params, f"topp-{i}") for i, p in enumerate(PROMPTS))))
+    model = Qwen2ForCausalLM.from_pretrained(env["model_dir"], dtype=torch.float32).eval()
+    nucleus, full = [], []
+    for r in outs:
+        assert (r["versions"] == version).all()
+        ids = torch.tensor(np.concatenate([r["prompt_ids"], r["completion_ids"]]).astype(np.int64))[None]
+        P, T = len(r["prompt_ids"]), len(r["completion_ids"])
+        with torch.no_grad():
+            hidden = model.model(ids).last_hidden_state[0, P - 1:P - 1 + T]                    # [T, D]
+            pi, _ = loss.completion_logprobs(hidden, model.lm_head.weight, ids[0, P:], 1.0, top_p=0.9)  # [T]
+            pi_full, _ = loss.completion_logprobs(hidden, model.lm_head.weight, ids[0, P:], 1.0)        # [T]
+        nucleus.append(pi.numpy() - r["logprobs"])  # log w
+        full.append(pi_full.numpy() - r["logprobs"])
+    assert float(np.abs(np.concatenate(nucleus)).max()) < 1e-4
+    assert float(np.concatenate(full).mean()) < -0.05  # the check above can fail: without top-p, w < 1
+
+
 def test_manifest_mismatch_rejected_weights_unchanged(env):
     load(env, env["sd"])
     before = [r["completion_ids"].tolist() for r in greedy(env)]

@@ -12,6 +12,7 @@ fraction of lr; measured max 1.1e-6. A real bug (a dropped micro-batch, a wrong 
 decay on the wrong elements) moves parameters by ~lr = 1e-3, 100x the tolerance.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -174,6 +175,49 @@ def test_micro_batch_and_activation_checkpointing_invariance(tmp_path):
             torch.testing.assert_close(runs[name][1][k], p, atol=1e-6, rtol=0, msg=f"{name}: {k}")
 
 
+def test_zero_advantage_samples_are_skipped_result_unchanged(tmp_path):
+    """Half the samples have advantage 0 (whole groups, as when every attempt is right or every one wrong):
+    train_step does not run them (trained_sequences), yet loss, gradient norm and parameters equal the
+    reference that runs every sample (normaliser: all B sequences). Tolerance as for FSDP vs reference;
+    a wrong normaliser (trained sequences instead of B) would move them by ~2x."""
+    batches = [make_batch(12, v, seed=v) for v in range(3)]
+    for b in batches:
+        for s in b:
+            if s["group_id"] % 2:
+                s["advantage"] = 0.0
+    cfg = make_cfg(tmp_path)
+    state = trainer.build_state(cfg, CPU, model=tiny_model())
+    metrics = [trainer.train_step(state, b, cfg) for b in batches]
+    ref, ref_losses, ref_norms = reference_train(tiny_model(), batches, 12)
+    zeros = [sum(s["advantage"] == 0.0 for s in b) for b in batches]
+    assert all(z >= 2 for z in zeros) and [m["trained_sequences"] for m in metrics] == [12 - z for z in zeros]
+    params = full_params(state)
+    for name, p in ref.items():
+        torch.testing.assert_close(params[name], p, atol=1e-5, rtol=0, msg=name)
+    for m, lo, norm in zip(metrics, ref_losses, ref_norms):
+        assert m["loss"] == pytest.approx(lo, rel=1e-5, abs=1e-6) and m["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+def test_non_finite_gradient_skips_the_update(tmp_path):
+    """An advantage of 3e38 is a finite number, but its gradient overflows to inf: the update is skipped
+    (weights and AdamW moments unchanged, counted), the step still counts; the next step trains normally
+    and AdamW's bias correction counts applied updates only."""
+    cfg = make_cfg(tmp_path)
+    state = trainer.build_state(cfg, CPU, model=tiny_model())
+    trainer.train_step(state, make_batch(12, 0, seed=0), cfg)
+    before = [(u.shard.detach().clone(), u.exp_avg.clone(), u.exp_avg_sq.clone()) for u in state.fsdp.units]
+    bad = make_batch(12, 1, seed=1)
+    bad[0]["advantage"] = 3e38
+    m = trainer.train_step(state, bad, cfg)
+    assert not math.isfinite(m["grad_norm"]) and (m["step_skipped"], m["skipped_steps"], state.step) == (1, 1, 2)
+    for u, (shard, m1, m2) in zip(state.fsdp.units, before):
+        assert torch.equal(u.shard, shard) and torch.equal(u.exp_avg, m1) and torch.equal(u.exp_avg_sq, m2)
+        assert u.shard.grad is None
+    m = trainer.train_step(state, make_batch(12, 2, seed=2), cfg)
+    assert math.isfinite(m["grad_norm"]) and m["step_skipped"] == 0 and m["skipped_steps"] == 1
+    assert not torch.equal(state.fsdp.units[1].shard, before[1][0])
+
+
 def test_gathered_parameter_memory_stays_two_units(tmp_path):
     """Peak bytes of gathered (full) parameters during a step, counted until the buffers are really freed
     (weakref.finalize on each gathered buffer): the root unit plus one block, never the whole model."""
@@ -318,12 +362,12 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
 
 # --- main() against a fake verifier and a fake actor ---------------------------------------------------------------
 
-def _sample_frames(i, version, vocab=64, bad=False):
+def _sample_frames(i, version, vocab=64, bad=False, advantage=None):
     rng = np.random.default_rng(i)
     P, C = int(rng.integers(1, 6)), int(rng.integers(1, 10))
     header = {"group_id": i // 2, "sample_idx": i % 2, "group_size": 2, "task": "arithmetic", "answer": "3",
               "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "proc": 0, "eval": False, "reward": float(i % 2), "status": "correct",
-              "advantage": float(i % 2) - 0.5}
+              "advantage": float(i % 2) - 0.5 if advantage is None else advantage}
     arrays = {"prompt_ids": rng.integers(0, vocab, P).astype(np.int32),
               "completion_ids": rng.integers(0, vocab, C).astype(np.int32),
               "logprobs": np.full(C, -4.0, dtype=np.float32), "versions": np.full(C, version, dtype=np.int32)}
@@ -407,6 +451,45 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
     push.close()
 
 
+def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_path):
+    """main(): the second batch's advantages (3e38) overflow the gradient, so step 2 is skipped and its
+    (unchanged) weights are not broadcast: the actor receives versions 0, 1, 3. A sample with a NaN
+    advantage is dropped as malformed and counted (the wire format refuses non-finite numbers)."""
+    import zmq
+    model_dir = tmp_path / "model"
+    tiny_model().save_pretrained(model_dir)
+    samples_port, sync_port = free_port(), free_port()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(f"tcp://127.0.0.1:{samples_port}")
+    stop, actor = threading.Event(), {}
+
+    def verifier():
+        i = 0
+        while not stop.is_set():
+            advantage = 3e38 if 4 <= i < 8 else float("nan") if i == 9 else None
+            try:
+                push.send_multipart(_sample_frames(i, 0, advantage=advantage), flags=zmq.NOBLOCK)
+                i += 1
+            except zmq.Again:
+                time.sleep(0.05)
+
+    proc = _launch(tmp_path, model_dir, 1, sync_port, samples_port, "trainer.max_steps=3", "sync.async_send=false")
+    threads = [threading.Thread(target=_fake_actor, args=(sync_port, 3, actor), daemon=True),
+               threading.Thread(target=verifier, daemon=True)]
+    for t in threads:
+        t.start()
+    out, _ = proc.communicate(timeout=150)
+    stop.set()
+    push.close()
+    assert proc.returncode == 0, out
+    recs = [r for r in common.read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
+    assert [r["trainer/step_skipped"] for r in recs] == [0, 1, 0] and recs[-1]["trainer/skipped_steps"] == 1
+    assert recs[-1]["trainer/malformed"] == 1
+    threads[0].join(timeout=30)
+    assert actor["versions"] == [0, 1, 3], out
+
+
 def _dying_actor(sync_port):
     """Joins the weight group, takes version 0, then dies without a word (os._exit: no clean shutdown)."""
     import weights_sync as ws
@@ -451,6 +534,17 @@ def test_dead_receiver_stops_the_trainer_with_a_clear_error(tmp_path):
     assert proc.returncode != 0, out[-3000:]
     assert "the weight broadcast to the actors failed" in out, out[-3000:]
     assert '"trainer/done"' not in (tmp_path / "metrics_trainer.jsonl").read_text()
+
+
+def test_waiting_for_names_started_and_dropped(tmp_path):
+    """A run that truly lacks samples says what it waits for, from the store's counters (issue 13)."""
+    import weights_sync as ws
+    store = ws.create_store("127.0.0.1", 0, True, 10)
+    store.add("started/0", 40)
+    store.add("dropped/0", 8)
+    state = trainer.TrainState(model=None, fsdp=None, step=3)
+    msg = trainer.waiting_for(store, make_cfg(tmp_path, batch_size=8), state)
+    assert "started 40 samples, 8 were dropped" in msg and "32 can reach the trainer, which consumed 24" in msg
 
 
 def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
