@@ -321,7 +321,8 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
 
     # --- first weights: the trainer's newest announced version ---
     deadline = time.time() + cfg.run.peer_timeout_s
-    while not store.check(["cursor", "announced"]):  # the trainer sets the cursor, then announces version 0
+    # The trainer sets the cursor, creates the counter `announced` (0), then announces version 0 as n=1.
+    while not store.check(["cursor", "announced"]) or int(store.add("announced", 0)) < 1:
         if time.time() > deadline:
             raise PeerTimeout(f"no weights announced by the trainer at {cfg.sync.host}:{cfg.sync.port} "
                               f"after {cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s)")
