@@ -4,10 +4,11 @@ NNODES=2 MASTER_ADDR=10.77.0.1: nothing is reachable on loopback across them, an
 interface, so a socket bound to the wrong address or gloo advertising the wrong interface fails here
 (on one machine's loopback it cannot). Also: node 1 dying half-way (its link down, then every process in
 its namespace killed: no RST reaches node 0, as with a dead host), and scripts/slurm_node.sh's mapping of
-SLURM's variables (called directly: there is no srun here). A MASTER_ADDR that is not node 0's own fails
-before any process starts.
+SLURM's variables (called directly: there is no srun here). Without namespaces: a MASTER_ADDR that is not
+node 0's own fails before any process starts; scripts/slurm.sbatch hands srun node 0's address and one run.dir
+(stand-ins for scontrol and srun print what they are given).
 
-Needs root and iproute2 (`ip netns`); skipped otherwise, with the reason.
+The namespace tests need root and iproute2 (`ip netns`); skipped otherwise, with the reason.
 Run: bash run.sh test tests/test_multihost.py      (3.5-4.5 minutes on 2 shared cores)
 """
 import os
@@ -148,6 +149,30 @@ def slurm_env(rank):
     submitting shell, which slurm_node.sh must override. MASTER_ADDR is given: there is no scontrol here."""
     return {"SLURM_NNODES": "2", "SLURM_NODEID": str(rank), "SLURM_PROCID": str(rank), "SLURM_JOB_ID": "77",
             "SLURM_JOB_NODELIST": "node[001-002]", "MASTER_ADDR": ADDRS[0], "NNODES": "1", "NODE_RANK": "0"}
+
+
+def test_sbatch_hands_srun_master_addr_and_one_run_dir(tmp_path):
+    """scripts/slurm.sbatch's batch step, with stand-ins for scontrol and srun (neither exists here) that print
+    what they were given: node 0 = the first host of the allocation, one run.dir for every node."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$*" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "MASTER_ADDR=$MASTER_ADDR srun $*"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(REPO),
+           "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "42"}
+    env.pop("MASTER_ADDR", None)
+
+    def run(*args):
+        return subprocess.run(["bash", str(REPO / "scripts/slurm.sbatch"), *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+    r = run("trainer.lr=1e-6")
+    assert r.stdout.strip() == ("MASTER_ADDR=gpu07 srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 bash "
+                                "scripts/slurm_node.sh trainer.lr=1e-6 run.dir=runs/slurm-42"), r.stdout + r.stderr
+    env["MASTER_ADDR"] = "10.0.0.7"  # given: kept
+    r = run("run.dir=/shared/exp1")
+    assert r.stdout.strip().endswith("slurm_node.sh run.dir=/shared/exp1") and "MASTER_ADDR=10.0.0.7 " in r.stdout
 
 
 def test_slurm_nodes_then_dead_actor_host(tiny_model_dir, tmp_path, hosts):
