@@ -396,6 +396,7 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
         last_tick = now
         # --- metrics ---
         if now - last_log >= cfg.run.log_every:
+            store.set(f"alive/{proc_index}", f"{now:.1f} {os.uname().nodename}")  # heartbeat (trainer.waiting_for)
             w, dt = st.window, now - last_log
             log("actor", {"tokens_per_s": w.get("tokens", 0) / dt, "samples_per_s": w.get("samples", 0) / dt,
                           "engine_tokens_per_s": w.get("engine_tokens", 0) / dt,

@@ -57,6 +57,24 @@ NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"; MASTER_ADDR="${MASTER_ADDR:-
 export NNODES
 OVERRIDES=("$@")
 if (( NNODES > 1 )); then
+  # --- network interface (issue 15) ---
+  # gloo and NCCL bind and advertise the interface named by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, else gloo
+  # takes the address of this host's name (often 127.0.0.1: the other nodes then dial their own loopback,
+  # "Connection refused, remote=[127.0.0.1]"). Unless set, use the interface towards MASTER_ADDR: on node 0 the
+  # one holding it (`ip route get` says "local ... dev lo" there), elsewhere the route's. MASTER_ADDR becomes an
+  # IP (ZMQ binds no hostnames). Every role inherits the variables (vLLM's workers too).
+  addr=$(getent ahostsv4 "$MASTER_ADDR" | awk '{print $1; exit}') || true
+  [[ -n "$addr" ]] || { echo "config error: MASTER_ADDR=$MASTER_ADDR does not resolve to an IPv4 address" >&2; exit 2; }
+  dev=$(ip -o -4 addr show to "$addr" 2>/dev/null | awk '{print $2; exit}') || true
+  if [[ -z "$dev" && "$NODE_RANK" == 0 ]] && command -v ip >/dev/null; then
+    echo "config error: MASTER_ADDR=$MASTER_ADDR: $addr is not an address of node 0 (this node);" \
+         "give node 0's address on the network the nodes share" >&2; exit 2
+  fi
+  [[ -n "$dev" ]] || dev=$(ip -o route get "$addr" 2>/dev/null | grep -o ' dev [^ ]*' | awk '{print $2}') || true
+  MASTER_ADDR=$addr
+  if [[ -n "$dev" ]]; then export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$dev}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$dev}"; fi
+  echo "[run.sh] node $NODE_RANK: MASTER_ADDR=$MASTER_ADDR" \
+       "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-}"
   # Every role finds trainer rank 0 (TCPStore, weight group) and the verifier (ZMQ) on node 0.
   OVERRIDES=("sync.host=$MASTER_ADDR" "ports.host=$MASTER_ADDR" "${OVERRIDES[@]}")
 fi

@@ -603,13 +603,28 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
     return out, waited
 
 
+def lost_actors(store, cfg) -> list:
+    """Actor processes silent for over half of run.peer_timeout_s, by their heartbeat (store key alive/<p>: the
+    actor's clock and host, set every run.log_every s): their node is down or unreachable, or actor.py died."""
+    lost, now = [], time.time()
+    for p in range(cfg.actor_procs):
+        beat = store.get(f"alive/{p}").decode().split() if store.check([f"alive/{p}"]) else None
+        if beat is None:
+            lost.append(f"actor process {p} (never heard from)")
+        elif now - float(beat[0]) > cfg.run.peer_timeout_s / 2:
+            lost.append(f"actor process {p} on {beat[1]} (silent for {now - float(beat[0]):.0f} s)")
+    return lost
+
+
 def waiting_for(store, cfg, state) -> str:
     """What the actors started and what was dropped on the way (the store's counters), for error messages."""
     if store is None:
         return "is verifier.py running?"
+    lost = lost_actors(store, cfg)
     started = sum(int(store.add(f"started/{p}", 0)) for p in range(cfg.actor_procs))
     dropped = sum(int(store.add(f"dropped/{p}", 0)) for p in range(cfg.actor_procs))
-    return (f"the actors started {started} samples, {dropped} were dropped on the way (verifier/trainer), so "
+    return ((f"lost {', '.join(lost)}: its node is down or unreachable, or actor.py died there; " if lost else "")
+            + f"the actors started {started} samples, {dropped} were dropped on the way (verifier/trainer), so "
             f"{started - dropped} can reach the trainer, which consumed {state.step * cfg.trainer.batch_size}: "
             f"is verifier.py running, and actor.py? (logs/verifier.log, logs/actor.log)")
 
