@@ -81,7 +81,7 @@ fi
 if (( NNODES > 1 )) && ! printf '%s\n' "${OVERRIDES[@]}" | grep -q '^run.dir='; then
   echo "config error: run.dir: with NNODES>1 it must be explicit; pass the same run.dir=... on every node" >&2; exit 2
 fi
-# Config, model and GPU checks (common.check), this node's roles and resolved device sets, as shell values.
+# Config, model and GPU checks (scripts/launch.py check), this node's roles and resolved device sets, as shell values.
 SHELL_VALUES=$(NODE_RANK=$NODE_RANK "$PY" scripts/launch.py shell "${OVERRIDES[@]}") || exit 2
 eval "$SHELL_VALUES"
 OVERRIDES+=("${GPU_OVERRIDES[@]}" "run.dir=$RUN_DIR")
@@ -101,7 +101,7 @@ launch() {  # launch ROLE CORES GPUS command...
   local pin=()
   if [[ -z "$gpus" && -n "$cores" ]]; then pin=(taskset -c "$cores"); fi
   local threads; threads=$(cores_count "${cores:-0}")
-  # gpus is the role's resolved set on a GPU node (never empty for actor/trainer there: common.check),
+  # gpus is the role's resolved set on a GPU node (never empty for actor/trainer there: launch.device_sets),
   # "" for the verifier and on a CPU machine, where an empty CUDA_VISIBLE_DEVICES hides nothing needed.
   OMP_NUM_THREADS=$threads CUDA_VISIBLE_DEVICES="$gpus" \
     setsid "${pin[@]}" "$@" >>"$RUN_DIR/logs/$role.log" 2>&1 < /dev/null &

@@ -705,8 +705,7 @@ def main():
                        samples_total=state.samples)
         t_prev = now
         if is_main():
-            if state.step % max(1, int(cfg.run.log_every)) == 0:
-                common.log("trainer", metrics, state.step)
+            common.log("trainer", metrics, state.step)  # every step: the figures read each one
             with open(cfg.run_dir / "samples_trainer.jsonl", "a") as f:
                 f.write(json.dumps({"step": state.step, "trainer_version": trained_version,
                                     "group_ids": [int(s["group_id"]) for s in samples],

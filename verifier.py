@@ -55,7 +55,7 @@ _FINISHED_KEPT = 100_000  # group ids remembered to catch late duplicates (simpl
 
 # --- scoring ----------------------------------------------------------------------------------------
 
-def reward_for(status: str, v: common.VerifierCfg, n_tokens: int, max_tokens: int) -> float:
+def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
     """The config's reward table, then DAPO's overlong penalty: linear from 0 at
     `max_tokens - overlong_buffer` completion tokens to `overlong_penalty` at max_tokens."""
     reward = {"correct": v.reward_correct, "wrong": v.reward_wrong}.get(status, v.reward_no_answer)

@@ -1,7 +1,9 @@
-"""run.sh's helpers (not a role): what it needs to launch a node, its progress lines and closing summary.
+"""run.sh's helpers (not a role): the checks before any process starts, what it needs to launch a node, its
+progress lines and closing summary.
 
-    python scripts/launch.py shell [section.key=value ...]   validate (config, model, GPUs: common.check),
-                                                             then print the values run.sh evals
+    python scripts/launch.py check [section.key=value ...]   validate the config, the model and this node's
+                                                             GPUs; print the resolved config
+    python scripts/launch.py shell [section.key=value ...]   the same checks, then the values run.sh evals
     python scripts/launch.py progress RUN_DIR                follow a run: one line per optimizer step
     python scripts/launch.py summary RUN_DIR                 the run's closing line
 
@@ -9,14 +11,118 @@
 on stderr and exits 2, before any process starts.
 """
 import json
+import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from common import REPO, ConfigError  # noqa: E402
+
+
+# --- checks before any process starts: the model and this node's GPUs ---------------------------------
+
+def node_roles(cfg) -> list:
+    """The roles run.sh starts on node NODE_RANK of NNODES: node 0 the verifier, nodes below trainer.nnodes
+    the trainer, every further node one actor (a single node runs all three)."""
+    nnodes, rank = int(os.environ.get("NNODES", "1")), int(os.environ.get("NODE_RANK", "0"))
+    return [role for role, here in (("verifier", rank == 0), ("trainer", rank < cfg.trainer.nnodes),
+                                    ("actor", rank >= cfg.trainer.nnodes or nnodes == 1)) if here]
+
+
+def visible_gpus() -> list:
+    """This node's GPU ids as CUDA_VISIBLE_DEVICES names them: a non-empty CUDA_VISIBLE_DEVICES, else one
+    per `nvidia-smi -L` line, else none (a CPU machine). No torch import: run.sh asks before any role starts."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if env:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in out.splitlines()))]
+
+
+def device_sets(cfg, roles, visible: list) -> dict:
+    """{"actor": ids, "trainer": ids}: the GPUs (comma-separated CUDA_VISIBLE_DEVICES ids) of the roles this
+    node runs ("" for the others). A listed set is kept; an empty one takes the first free visible GPUs,
+    actor first: actor.gpus = the first engines*tp, trainer.gpus = the trainer.nproc after the actor's (the
+    first trainer.nproc on a trainer-only node). No GPU visible: the config's values, untouched (CPU)."""
+    sets = {"actor": cfg.actor.gpus, "trainer": cfg.trainer.gpus}
+    if not visible:
+        return sets
+    need = {"actor": (cfg.actor.engines * cfg.actor.tp, "actor.engines*actor.tp"),
+            "trainer": (cfg.trainer.nproc, "trainer.nproc")}
+    taken, out = [], {"actor": "", "trainer": ""}
+    for role in sorted((r for r in out if r in roles), key=lambda r: not sets[r]):  # listed sets first
+        (n, what), key = need[role], f"{role}.gpus"
+        ids = [g.strip() for g in sets[role].split(",")] if sets[role] else \
+            [g for g in visible if g not in taken][:n]
+        for g in ids:
+            if g not in visible:
+                raise ConfigError(f"{key}: GPU {g} is not visible on this node (visible: {','.join(visible)}); "
+                                  f"list visible ids or leave it empty")
+            if g in taken:
+                raise ConfigError(f"actor.gpus/trainer.gpus: GPU {g} is given twice; give each role its own GPUs")
+            taken.append(g)
+        if len(ids) != n:
+            raise ConfigError(f"{key}: lists {len(ids)} GPUs but {what}={n}; list {n} or change "
+                              f"{what.replace('*', ' or ')}" if sets[role] else
+                              f"{key}: {what}={n} needs {n} GPUs but {len(ids)} of this node's {len(visible)} are "
+                              f"free; lower {what.replace('*', ' or ')}, or use more GPUs or nodes")
+        out[role] = ",".join(ids)
+    return out
+
+
+def check_model(cfg):
+    """model.path is a model the trainer can shard and vLLM can load: config.json read, the model built on
+    the meta device (no weights), vLLM's registry asked. Lazy imports: only a launch pays for them (~10 s)."""
+    name, path = cfg.model.path, cfg.model_path
+    if name == "assets/tiny-model":
+        return  # the embedded Qwen2 (scripts/make_tiny_model.py), which run.sh builds after the checks
+    if not os.path.isdir(path):
+        from huggingface_hub import try_to_load_from_cache
+        try:
+            cached = try_to_load_from_cache(name, "config.json")
+        except ValueError:  # HFValidationError: not a hub name either
+            cached = None
+        if not isinstance(cached, str):
+            raise ConfigError(f"model.path: {name!r} is neither a local model directory nor a model in the local "
+                              f"HF cache; point it at an HF model directory, or download it first (hf download {name})")
+        path = os.path.dirname(cached)
+    import torch
+    import transformers
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.path: transformers cannot build a causal LM from {name!r} ({e}); "
+                          f"point it at an HF causal LM directory") from e
+    arch = (config.architectures or [type(model).__name__])[0]
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+        raise ConfigError(f"model.path: {name!r} ({arch}) has no decoder blocks at model.model.layers and a "
+                          f"linear lm_head, which the trainer's FSDP shards; use a Llama/Qwen/Mistral-style LM")
+    from vllm.model_executor.models.registry import ModelRegistry
+    cls = getattr(transformers, arch, None)  # vLLM's fallback: its Transformers backend (registry.py)
+    if arch not in ModelRegistry.get_supported_archs() and not (
+            cls is not None and (cls.is_backend_compatible() or cls._can_set_attn_implementation())):
+        raise ConfigError(f"model.path: {name!r} ({arch}): vLLM cannot load this architecture; "
+                          f"use one in vLLM's list of supported models")
+
+
+def check(cfg, roles=None, visible=None) -> dict:
+    """What can fail before a process starts beyond the config itself: the model, and this node's device
+    sets (returned; see `device_sets`)."""
+    check_model(cfg)
+    return device_sets(cfg, node_roles(cfg) if roles is None else roles,
+                       visible_gpus() if visible is None else visible)
 
 
 def resolve_run_dir(cfg, roles: list) -> str:
@@ -43,9 +149,9 @@ def shell(overrides: list, visible=None) -> str:
     GPU_OVERRIDES hands the resolved sets to every role (actor.py splits actor.gpus among its engines);
     empty on a CPU machine, where nothing changes."""
     cfg = common.load_config(overrides)
-    roles = common.node_roles(cfg)
-    visible = common.visible_gpus() if visible is None else visible
-    gpus = common.check(cfg, roles, visible)
+    roles = node_roles(cfg)
+    visible = visible_gpus() if visible is None else visible
+    gpus = check(cfg, roles, visible)
     gpu_overrides = [f"{r}.gpus={gpus[r]}" for r in ("actor", "trainer") if visible and gpus[r]]
     values = {"RUN_DIR": resolve_run_dir(cfg, roles), "TNODES": cfg.trainer.nnodes,
               "TRAINER_NPROC": cfg.trainer.nproc, "ACTOR_CORES": cfg.actor.cpu_cores,
@@ -109,9 +215,15 @@ def summary(run_dir: str) -> str:
 
 if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
-    if cmd == "shell":
+    if cmd in ("check", "shell"):
         try:
-            print(shell(sys.argv[2:]))
+            if cmd == "shell":
+                print(shell(sys.argv[2:]))
+            else:  # the resolved config, with this node's GPU sets
+                cfg = common.load_config(sys.argv[2:])
+                resolved, gpus = common.config_to_dict(cfg), check(cfg)
+                resolved["actor"]["gpus"], resolved["trainer"]["gpus"] = gpus["actor"], gpus["trainer"]
+                print(yaml.safe_dump(resolved, sort_keys=False), end="")
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(2)
@@ -120,4 +232,4 @@ if __name__ == "__main__":
     elif cmd == "summary":
         print(summary(sys.argv[2]))
     else:
-        sys.exit("usage: python scripts/launch.py shell [section.key=value ...] | progress RUN_DIR | summary RUN_DIR")
+        sys.exit("usage: python scripts/launch.py check|shell [section.key=value ...] | progress RUN_DIR | summary RUN_DIR")

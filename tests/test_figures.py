@@ -141,15 +141,15 @@ def test_kl_by_lag_is_token_weighted(tmp_path):
 
 
 def test_plot_reads_the_keys_the_roles_write():
-    """plot.py reads these names; trainer.py and actor.py must still write them."""
-    trainer_src, actor_src = (REPO / "trainer.py").read_text(), (REPO / "actor.py").read_text()
+    """plot.py reads these names; trainer.py and verifier.py (which grades evaluations) must still write them."""
+    trainer_src, verifier_src = (REPO / "trainer.py").read_text(), (REPO / "verifier.py").read_text()
     for key in ("reward_mean", "ess", "lag_mean", "lag_max", "tokens", "samples_per_s", "samples_total",
                 "lag_by_position"):
         assert re.search(rf'["\' ]{key}["\'=]', trainer_src), key
     for prefix in ("kl_lag_", "tokens_lag_"):
         assert f'f"{prefix}{{label}}"' in trainer_src, prefix
     for key in ("version", "test_reward"):
-        assert f'"{key}"' in actor_src and "eval.jsonl" in actor_src
+        assert f'"{key}"' in verifier_src and "eval.jsonl" in verifier_src
 
 
 # --- throughput model (paper Appendix A) ----------------------------------------------------------------------
@@ -205,13 +205,13 @@ def dry_run(*flags):
 
 
 def checked(commands):
-    """Every command's overrides through `python common.py check` (as run.sh does) -> resolved configs."""
-    procs = [subprocess.Popen([sys.executable, "common.py", "check", *args], cwd=REPO, stdout=subprocess.PIPE,
+    """Every command's overrides through `python scripts/launch.py check` (as run.sh does) -> resolved configs."""
+    procs = [subprocess.Popen([sys.executable, "scripts/launch.py", "check", *args], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for args in commands]
     cfgs = []
     for p, args in zip(procs, commands):
         out, err = p.communicate(timeout=60)
-        assert p.returncode == 0, f"common.py check rejected {args}: {err}"
+        assert p.returncode == 0, f"launch.py check rejected {args}: {err}"
         cfgs.append(yaml.safe_load(out))
     return cfgs
 

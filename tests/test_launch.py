@@ -1,4 +1,4 @@
-"""Tier (a)/(b): what run.sh checks and resolves before any process starts (common.check, scripts/launch.py):
+"""Tier (a)/(b): what run.sh checks and resolves before any process starts (scripts/launch.py: check, shell):
 GPU device sets on fake device counts, model checks on tiny model directories, the HF-datasets loader,
 progress and summary lines. No GPU, no network.
 
@@ -25,7 +25,7 @@ BOTH = ("verifier", "trainer", "actor")
 
 def gpus(overrides, roles=BOTH, n=8, visible=None):
     cfg = common.load_config(overrides)
-    return common.device_sets(cfg, roles, visible or [str(i) for i in range(n)])
+    return launch.device_sets(cfg, roles, visible or [str(i) for i in range(n)])
 
 
 def test_device_sets_defaults_follow_the_documented_layout():
@@ -45,9 +45,9 @@ def test_device_sets_defaults_follow_the_documented_layout():
 
 
 def test_device_sets_on_a_cpu_machine_are_the_config_values():
-    assert common.device_sets(common.load_config([]), BOTH, []) == {"actor": "", "trainer": ""}
+    assert launch.device_sets(common.load_config([]), BOTH, []) == {"actor": "", "trainer": ""}
     cfg = common.load_config(["actor.gpus=0"])
-    assert common.device_sets(cfg, BOTH, []) == {"actor": "0", "trainer": ""}
+    assert launch.device_sets(cfg, BOTH, []) == {"actor": "0", "trainer": ""}
 
 
 @pytest.mark.parametrize("overrides,n,needle", [
@@ -66,7 +66,7 @@ def test_device_sets_reject_naming_the_keys(overrides, n, needle):
 
 def test_visible_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
-    assert common.visible_gpus() == ["2", "3"]
+    assert launch.visible_gpus() == ["2", "3"]
     # empty or unset: count the devices nvidia-smi lists (here a script printing its real output format)
     fake = tmp_path / "nvidia-smi"
     fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-a)'\n"
@@ -74,9 +74,9 @@ def test_visible_gpus(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    assert common.visible_gpus() == ["0", "1"]
+    assert launch.visible_gpus() == ["0", "1"]
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert common.visible_gpus() == []  # no nvidia-smi: a CPU machine
+    assert launch.visible_gpus() == []  # no nvidia-smi: a CPU machine
 
 
 def shell_values(text):
@@ -113,7 +113,7 @@ def config_only_dir(path, config):
 
 
 def check_model(path):
-    common.check_model(common.load_config([f"model.path={path}"]))
+    launch.check_model(common.load_config([f"model.path={path}"]))
 
 
 def test_check_model_accepts_the_tiny_model_and_one_in_the_hf_cache(tiny_model_dir, tmp_path, monkeypatch):

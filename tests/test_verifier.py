@@ -105,15 +105,17 @@ def test_score_gsm8k_and_math_gold_from_records():
 
 
 def test_reward_for_table_and_overlong_penalty():
-    v = common.VerifierCfg(reward_correct=2.0, reward_wrong=-0.5, reward_no_answer=-1.0)
+    def vcfg(*kv):
+        return common.load_config([f"verifier.{x}" for x in kv]).verifier
+    v = vcfg("reward_correct=2.0", "reward_wrong=-0.5", "reward_no_answer=-1.0")
     assert [V.reward_for(s, v, 10, 64) for s in tasks.STATUSES] == [2.0, -0.5, -1.0, -1.0, -1.0]
     # DAPO: buffer 8 before max_tokens 64 -> no penalty up to 56 tokens, then linear down to -penalty at 64
-    v = common.VerifierCfg(overlong_buffer=8, overlong_penalty=0.5)
+    v = vcfg("overlong_buffer=8", "overlong_penalty=0.5")
     assert V.reward_for("correct", v, 56, 64) == 1.0
     assert V.reward_for("correct", v, 60, 64) == pytest.approx(1.0 - 0.25)
     assert V.reward_for("wrong", v, 64, 64) == pytest.approx(-0.5)
     assert V.reward_for("wrong", v, 80, 64) == pytest.approx(-0.5)  # capped at the max length
-    assert V.reward_for("correct", common.VerifierCfg(), 64, 64) == 1.0  # buffer 0: off
+    assert V.reward_for("correct", vcfg(), 64, 64) == 1.0  # buffer 0: off
 
 
 # --- (b) ScorePool: hostile input, dead workers ------------------------------------------------------
