@@ -8,8 +8,9 @@ Notation (shapes: B sequences, T completion tokens, V vocab):
   N_seq    `num_sequences`: sequences in the whole optimizer step (all micro-batches, all ranks)
 
   (1) A_i   = r_i − mean_{j in group(i)} r_j              [÷ (std_group + eps), off by default]
-  (2) log π(y_t) = logits_t[y_t]/temperature − logsumexp(logits_t/temperature)
-  (3) H_t   = −Σ_v π(v) log π(v)                          (entropy, a diagnostic only)
+  (2) log π(y_t) = z_t[y_t] − logsumexp_{v in K_t} z_t[v],  z_t = logits_t / temperature, K_t the kept tokens:
+      all, or with top-p the nucleus as vLLM's sampler cuts it (the actor's μ is renormalised over it)
+  (3) H_t   = −Σ_{v in K_t} π(v) log π(v)                 (entropy, a diagnostic only)
   (4) w_it  = min(c, sg[π(y_it) / μ(y_it)])               truncated importance weight
   (5) L     = −(1/N_seq) Σ_i Σ_t m_it · w_it · A_i · log π(y_it)      paper eq. 5
   (6) ESS   = (Σ w)² / (N_tok Σ w²)  over all N_tok masked tokens of a step, w from (4)   paper eq. 6
@@ -18,6 +19,8 @@ Notation (shapes: B sequences, T completion tokens, V vocab):
 Dividing by N_seq (not by tokens, not per micro-batch) makes (5) additive: the trainer sums the
 losses and gradients of its micro-batches and ranks (no averaging) and gets the step's loss.
 For the same reason every statistic `policy_loss` returns is a SUM, combined at the end by `ess` etc.
+(2) and (3) are computed in float32 at completion positions only, a chunk at a time (`completion_logprobs`):
+a bf16 logsumexp is off by ~1e-2 nats, an error that goes straight into (4).
 """
 import torch
 
@@ -41,22 +44,6 @@ def group_advantages(rewards, group_size, normalize_std=False, eps=1e-6):
     if normalize_std:
         advantages = advantages / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)  # (1)
     return advantages.reshape(-1)  # [N]
-
-
-def token_logprobs(logits, tokens, temperature):
-    """(2) logits [B,T,V], tokens [B,T] (long) -> log π(tokens) [B,T] float32, differentiable.
-
-    Memory: log_softmax would materialise a full [B,T,V] output to keep B·T entries of it. Here the
-    only [B,T,V] tensor autograd keeps is `scaled` (saved by logsumexp); when the logits are already
-    float32 and temperature is 1 that is the logits themselves, no copy. We upcast bf16 logits to
-    float32 (one [B,T,V] copy) because a bf16 logsumexp is off by ~1e-2 nats, an error that goes
-    straight into the IS ratio (4). Very large B·T·V still needs chunking over T by the caller.
-    """
-    scaled = logits.float()  # [B,T,V]
-    if temperature != 1.0:
-        scaled = scaled / temperature  # [B,T,V] (2) the actor sampled from softmax(logits/temperature)
-    picked = scaled.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # [B,T]
-    return picked - torch.logsumexp(scaled, dim=-1)  # (2) [B,T]
 
 
 def nucleus_mask(scaled, top_p):
@@ -115,7 +102,7 @@ def _scaled(hidden, weight, targets, temperature, top_p):
     """-> logits / temperature [n,V] in float32 (-inf outside the nucleus) and the kept mask [n,V]. The
     sampled token is always kept: a token an older μ sampled can fall outside π's nucleus, where log π
     would be -inf (a rare, off-policy case; on-policy tokens are inside by construction)."""
-    z = (hidden @ weight.t()).float() / temperature  # [n,V] (2); fp32 as in token_logprobs
+    z = (hidden @ weight.t()).float() / temperature  # [n,V] (2) in float32
     keep = torch.ones_like(z, dtype=torch.bool)  # [n,V]
     if top_p < 1.0:
         keep = nucleus_mask(z, top_p)
@@ -130,13 +117,6 @@ def completion_logprobs(hidden, weight, targets, temperature, top_p=1.0, chunk=1
     Peak memory is that of `chunk` x V logits, not N x V (chunk <= 0: all N at once)."""
     chunk = chunk if chunk > 0 else max(len(targets), 1)
     return _CompletionLogprobs.apply(hidden, weight, targets.long(), float(temperature), float(top_p), chunk)
-
-
-def entropy_from_logits(logits, temperature):
-    """(3) logits [B,T,V] -> entropy of softmax(logits/temperature) [B,T]; callers may use no_grad."""
-    scaled = logits.float() / temperature  # [B,T,V]
-    logp = torch.log_softmax(scaled, dim=-1)  # [B,T,V]
-    return -(logp.exp() * logp).sum(dim=-1)  # (3) [B,T]
 
 
 def lag_bucket_index(lag):

@@ -2,7 +2,7 @@
 
 A problem is `Problem(prompt, answer, task, target)`: `prompt` is the raw question text (formatted for
 the model by `format_prompt`), `answer` the gold final answer as a string, `task` names the grader
-(`arithmetic` or `math`, see verifier.score), `target` a worked solution when one exists (the
+(`arithmetic` or `math`: `score` below), `target` a worked solution when one exists (the
 arithmetic task's; used to warm-start the tiny model).
 
 The training set is an endless, seeded stream indexed by an integer cursor (`TrainStream.get(i)`), so a
@@ -155,7 +155,7 @@ def score(completion: str, answer: str, task: str):
         return 0.0, "no_answer"
     from math_verify import parse, verify  # lazy: only scoring processes pay for sympy
     # Both sides go through the same \boxed{} wrapper, so that parse reads them alike. Timeouts None:
-    # math_verify's signal.alarm works in a main thread only (simplification 3).
+    # math_verify's signal.alarm works in a main thread only (verifier.py, simplification 3).
     gold = parse("\\boxed{" + answer + "}", parsing_timeout=None)
     parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
     if not parsed:

@@ -1,35 +1,28 @@
 """Verifier: scores rollouts, completes groups, computes advantages, pushes training samples.
 
 Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor (common.SCHEMAS).
-Produces  ZMQ PUSH bound on ports.host:ports.samples: one `sample` per rollout of a complete group, the
-          rollout's header + `reward` (float), `status` (str), `advantage` (float), its arrays unchanged
-          (prompt_ids, completion_ids, logprobs, versions). Trainer ranks connect PULL sockets; ZMQ
-          spreads the samples across them. Evaluation rollouts (`eval`: true; a "group" = one pass over
-          the test split) are graded into <run.dir>/eval.jsonl instead: version (when the evaluation
-          started), versions [oldest, newest] (the policies that produced its tokens), test_reward, n.
-          Samples it drops (zero-advantage groups when asked, malformed rollouts, groups still incomplete
-          after verifier.stale_group_s) are given back to their actor's admission budget through the
-          trainer's store (key dropped/<proc>), so that the actor starts replacements.
-Metrics   <run.dir>/metrics_verifier.jsonl every run.log_every seconds (step = groups forwarded so far).
+Produces  ZMQ PUSH bound on ports.host:ports.samples: one `sample` per rollout of a complete group (the
+          rollout + `reward`, `status`, `advantage`); trainer ranks connect PULL sockets, ZMQ spreads the
+          samples. Evaluation passes (`eval`: true, one "group" over the test split) go to
+          <run.dir>/eval.jsonl instead: version (at its start), versions [oldest, newest] (the policies that
+          produced its tokens), test_reward, n. Dropped samples (zero-advantage groups when asked, malformed
+          rollouts, groups incomplete after verifier.stale_group_s) are given back to their actor's admission
+          budget through the trainer's store (dropped/<proc>). Metrics: metrics_verifier.jsonl.
+Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports.rollouts, PULL samples from
+            ports.samples; a drop needs the trainer's store at sync.host:sync.port)
 
-Run alone:  python verifier.py [section.key=value ...]    e.g. python verifier.py run.dir=runs/v ports.rollouts=5555
-            (then PUSH rollouts with common.send to ports.rollouts and PULL samples from ports.samples;
-            a drop needs the trainer's store at sync.host:sync.port).
-
-Grading is the task's (tasks.score); this service runs it in `ScorePool`: worker processes with a
-per-item limit; a worker that hangs (sympy on a hostile answer) or dies is killed and replaced, the item
-scores `timeout`, and the service goes on.
+Grading is the task's (tasks.score); `ScorePool` runs it in worker processes with a per-item limit: a worker
+that hangs (sympy on a hostile answer) or dies is replaced, the item scores `timeout`, the service goes on.
 
 Deliberate simplifications:
- 1. One verifier process, state in memory: a restart loses the groups in progress (their samples are
-    never given back: restart the run, or resume it).
- 2. Advantage = r - group mean, no std division (the paper's released code); reward from the config's
-    table plus DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
- 3. math_verify's own timeouts (signal.alarm: main thread only, DESIGN.md trap) are off; the pool's
-    limit kills the worker instead, which costs a worker restart (~1 s) per timeout.
- 4. Workers are plain subprocesses speaking JSON lines over pipes, not multiprocessing: a spawn pool
-    would re-import the caller's __main__ in every worker.
- 5. Late duplicates of an already forwarded group are recognised for the last 100k groups only.
+ 1. One process, state in memory: a restart loses the groups in progress (restart or resume the run).
+ 2. Advantage = r - group mean, no std division (the paper's code); the reward table of the config plus
+    DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
+ 3. math_verify's own timeouts (signal.alarm: main thread only, DESIGN.md) are off; the pool's limit kills
+    the worker instead (a ~1 s restart per timeout).
+ 4. Workers are plain subprocesses speaking JSON lines over pipes, not multiprocessing (a spawn pool would
+    re-import the caller's __main__ in every worker).
+ 5. Late duplicates of a forwarded or dropped group are recognised for the last 100k groups only.
 """
 import contextlib
 import json
@@ -235,21 +228,6 @@ class Groups:
             report(proc, size)
 
 
-class DropReporter:
-    """Gives dropped samples back to their actor's admission budget (store key dropped/<proc>); the
-    store connection is made at the first drop (the trainer hosts the store, and starts after us)."""
-
-    def __init__(self, cfg):
-        self.cfg, self.store = cfg, None
-
-    def __call__(self, proc: int, n: int):
-        if self.store is None:
-            import weights_sync
-            self.store = weights_sync.create_store(self.cfg.sync.host, self.cfg.sync.port, False,
-                                                   self.cfg.run.peer_timeout_s)
-        self.store.add(f"dropped/{proc}", n)
-
-
 def receive(sock, g: Groups, pool, tokenizer, drop, limit: int):
     """Read rollouts while the pool has room: check, decode, hand to the pool. A malformed rollout whose
     sender and group are known drops its whole group (it can never complete)."""
@@ -345,7 +323,13 @@ def main():
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
-    g, drop = Groups(), DropReporter(cfg)
+    g, store = Groups(), []
+
+    def drop(proc, n):  # back to actor `proc`'s budget; the trainer hosts the store (connect at the first drop)
+        if not store:
+            import weights_sync
+            store.append(weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s))
+        store[0].add(f"dropped/{proc}", n)
     window = {"samples": 0, "rewards": [], "latency": [], "evals": [], "t": time.monotonic()}
     print(f"[verifier] rollouts <- {host}:{cfg.ports.rollouts}, samples -> {host}:{cfg.ports.samples}, "
           f"{v.workers} scoring workers", flush=True)

@@ -14,6 +14,11 @@ import loss as L  # noqa: E402
 torch.set_num_threads(1)
 
 
+def logp(logits, tokens, temperature):
+    """(2) on full logits [B,T,V] -> [B,T]: the plain definition the tests compare against."""
+    return torch.log_softmax(logits / temperature, -1).gather(-1, tokens[..., None])[..., 0]
+
+
 # --- (1) advantages -------------------------------------------------------------------------------
 def test_group_advantages_hand_made():
     # group 1: mean 0.25 -> r - 0.25; group 2: all equal -> no signal, all zero.
@@ -121,7 +126,7 @@ def test_on_policy_gradient_is_plain_reinforce():
     tokens = torch.randint(V, (B, T), generator=g)
     mask = torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 4 + [0], [1] * 1 + [0] * 4])
     advantages = torch.tensor([0.5, -0.25, 1.0, -1.25])
-    logprobs = L.token_logprobs(logits, tokens, 1.0)
+    logprobs = logp(logits, tokens, 1.0)
     loss, st = L.policy_loss(logprobs, logprobs.detach(), advantages, mask, num_sequences=B)
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
     reinforce = -(advantages[:, None] * logprobs * mask).sum() / B  # -(1/B) sum_i A_i sum_t log pi
@@ -141,7 +146,7 @@ def test_micro_batch_split_invariance():
     lengths = torch.tensor([6, 1, 3, 5, 2, 6, 4, 3])
     mask = torch.arange(T)[None, :] < lengths[:, None]  # [B,T]
     # behaviour logprobs off by up to ~±2 nats so that some tokens clamp
-    old_logprobs = L.token_logprobs(logits, tokens, 0.7) + 2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    old_logprobs = logp(logits, tokens, 0.7) + 2 * torch.randn(B, T, generator=g, dtype=torch.float64)
     advantages = torch.randn(B, generator=g, dtype=torch.float64)
     entropy = torch.rand(B, T, generator=g, dtype=torch.float64)
     lags = torch.randint(0, 12, (B, T), generator=g)
@@ -152,7 +157,7 @@ def test_micro_batch_split_invariance():
         total, stats = 0.0, {}
         for idx in torch.arange(B).split(split):
             t_mb = int(lengths[idx].max())  # each micro-batch padded only to its own longest sequence
-            lp = L.token_logprobs(leaf[idx, :t_mb], tokens[idx, :t_mb], 0.7)
+            lp = logp(leaf[idx, :t_mb], tokens[idx, :t_mb], 0.7)
             loss, st = L.policy_loss(lp, old_logprobs[idx, :t_mb], advantages[idx], mask[idx, :t_mb],
                                      num_sequences, entropy=entropy[idx, :t_mb], lags=lags[idx, :t_mb])
             loss.backward()
@@ -189,36 +194,32 @@ def test_ess_matches_direct_computation():
 
 # --- (2)-(3) logprobs and entropy ---------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logprobs_match_categorical(temperature):
+def test_completion_logprobs_match_categorical(temperature):
+    """(2), (3) and d(2)/d(hidden, weight) == torch.distributions on the full logits."""
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(2, 4, 9, generator=g) * 3
-    tokens = torch.randint(9, (2, 4), generator=g)
-    up = torch.randn(2, 4, generator=g)  # a random upstream gradient
-    a = logits.clone().requires_grad_(True)
-    b = logits.clone().requires_grad_(True)
-    ours = L.token_logprobs(a, tokens, temperature)
-    ref = torch.distributions.Categorical(logits=b / temperature).log_prob(tokens)
-    torch.testing.assert_close(ours, ref)
+    hidden, weight = torch.randn(8, 5, generator=g), torch.randn(9, 5, generator=g) * 2  # [N,D], [V,D]
+    tokens, up = torch.randint(9, (8,), generator=g), torch.randn(8, generator=g)  # [N], upstream gradient
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ours, ent = L.completion_logprobs(h1, w1, tokens, temperature, chunk=3)
+    dist = torch.distributions.Categorical(logits=(h2 @ w2.t()) / temperature)
+    torch.testing.assert_close(ours, dist.log_prob(tokens))
+    torch.testing.assert_close(ent, dist.entropy().detach())
     (ours * up).sum().backward()
-    (ref * up).sum().backward()
-    torch.testing.assert_close(a.grad, b.grad)
+    (dist.log_prob(tokens) * up).sum().backward()
+    torch.testing.assert_close(h1.grad, h2.grad)
+    torch.testing.assert_close(w1.grad, w2.grad)
 
 
-def test_token_logprobs_bf16_computed_in_float32():
+def test_completion_logprobs_bf16_computed_in_float32():
     g = torch.Generator().manual_seed(4)
-    logits = (torch.randn(2, 8, 300, generator=g) * 4).to(torch.bfloat16)
-    tokens = torch.randint(300, (2, 8), generator=g)
-    ours = L.token_logprobs(logits, tokens, 0.7)
-    ref = torch.distributions.Categorical(logits=logits.float() / 0.7).log_prob(tokens)
+    hidden = torch.randn(16, 32, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(300, 32, generator=g) * 0.7).to(torch.bfloat16)
+    tokens = torch.randint(300, (16,), generator=g)
+    ours, _ = L.completion_logprobs(hidden, weight, tokens, 0.7)
+    ref = torch.distributions.Categorical(logits=(hidden @ weight.t()).float() / 0.7).log_prob(tokens)
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)  # a bf16 logsumexp is off by ~1e-2
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_entropy_matches_categorical(temperature):
-    logits = torch.randn(3, 5, 13, generator=torch.Generator().manual_seed(5)) * 2
-    ref = torch.distributions.Categorical(logits=logits / temperature).entropy()
-    torch.testing.assert_close(L.entropy_from_logits(logits, temperature), ref)
 
 
 def test_entropy_sum_in_stats():
@@ -266,10 +267,10 @@ def test_completion_logprobs_chunked_equal_unchunked(temperature, chunk):
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     lp, ent = L.completion_logprobs(h1, w1, targets, temperature, chunk=chunk)
-    logits = h2 @ w2.t()  # [N,V]
-    ref = L.token_logprobs(logits[None], targets[None], temperature)[0]
+    dist = torch.distributions.Categorical(logits=(h2 @ w2.t()) / temperature)  # the full [N,V] logits
+    ref = dist.log_prob(targets)
     torch.testing.assert_close(lp, ref)
-    torch.testing.assert_close(ent, L.entropy_from_logits(logits.detach(), temperature))
+    torch.testing.assert_close(ent, dist.entropy().detach())
     (lp * up).sum().backward()
     (ref * up).sum().backward()
     torch.testing.assert_close(h1.grad, h2.grad)

@@ -84,7 +84,7 @@ def reference_train(model, batches, batch_size, device=CPU):
             P, C = len(s["prompt_ids"]), len(s["completion_ids"])
             ids = torch.from_numpy(np.concatenate([s["prompt_ids"], s["completion_ids"]]).astype(np.int64))[None].to(device)
             logits = model(input_ids=ids).logits[:, P - 1:P - 1 + C]  # [1,C,V]
-            logprobs = loss.token_logprobs(logits, ids[:, P:], TEMP)  # [1,C]
+            logprobs = torch.log_softmax(logits.float() / TEMP, -1).gather(-1, ids[:, P:, None])[..., 0]  # [1,C]
             lo, _ = loss.policy_loss(logprobs, torch.from_numpy(s["logprobs"])[None].to(device),
                                      torch.tensor([s["advantage"]], device=device),
                                      torch.ones(1, C, dtype=torch.bool, device=device), batch_size, is_clamp=5.0)
