@@ -1,32 +1,28 @@
 """Actor: vLLM generation with in-flight weight updates (PipelineRL, arXiv 2509.19128, Algorithm 2).
 
-Consumes: training prompts from tasks.py (the seeded stream, from the index the trainer stores as
-  `cursor`), and new weights from the trainer over the weight group (weights_sync.py), announced by the
-  store keys `announce/<n>` (n = 1, 2, ...: the version of the n-th broadcast, or "done").
-Produces: one `rollout` message (common.SCHEMAS["rollout"]) per finished sample, ZMQ PUSH to
-  ports.host:ports.rollouts (the verifier binds PULL there): prompt_ids[int32 P], completion_ids[int32 T],
-  logprobs[float32 T] (behaviour policy: log_softmax(logits/temperature) of each sampled token),
-  versions[int32 T] (the policy version that sampled each token); header group_id (the prompt's stream
-  index), sample_idx, group_size, task, answer, finish_reason, t_start, t_end, proc (this actor process),
-  eval (true for test-set attempts, which the verifier grades into eval.jsonl instead of training on).
-  Metrics `actor/*` in <run.dir>/metrics_actor.jsonl.
-
-Run alone (needs trainer.py's store at sync.host:sync.port, and a verifier or any PULL socket):
-    python actor.py [section.key=value ...]          # e.g. actor.schedule=conventional actor.G_steps=4
-It exits 0 on SIGTERM/SIGINT or when the trainer announces "done"; non-zero when the trainer does not
-show up within run.peer_timeout_s (naming its address) or goes away.
-With several actor processes (one per node), ACTOR_PROC_INDEX=p selects this one's weight ranks and
-prompts (p, p+P, p+2P, ... after the cursor).
+Consumes: training prompts from tasks.py (the seeded stream from the trainer's store key `cursor`); new
+  weights over the weight group (weights_sync.py), announced by the store keys `announce/<n>` (the version
+  of the n-th broadcast, or "done").
+Produces: one `rollout` (common.SCHEMAS) per finished sample, ZMQ PUSH to ports.host:ports.rollouts (the
+  verifier's PULL): prompt_ids[int32 P], completion_ids[int32 T], logprobs[float32 T] (the behaviour
+  policy μ: log_softmax(logits/temperature) of each sampled token), versions[int32 T] (the version that
+  sampled each token); header group_id (the prompt's stream index), sample_idx, group_size, task, answer,
+  finish_reason, t_start, t_end, proc (this actor process), eval (a test-split attempt, which the verifier
+  grades into eval.jsonl). Metrics `actor/*` in <run.dir>/metrics_actor.jsonl.
+Run alone (needs trainer.py's store at sync.host:sync.port and a PULL socket):  python actor.py [k=v ...]
+  Exits 0 on SIGTERM/SIGINT or "done"; non-zero when the trainer does not show up within
+  run.peer_timeout_s (naming its address) or goes away. With several actor processes (one per node),
+  ACTOR_PROC_INDEX=p selects this one's weight ranks and prompts (p, p+P, ... after the cursor).
 
 Simplifications vs the paper and its code:
 1. Admission control bounds lag by how many samples may start ahead of the trainer (see `admit`);
    the paper bounds it only implicitly, through H and the trainer's speed (App. A.3).
-2. A group's `group_size` attempts are `group_size` independent n=1 requests (finer admission,
-   per-sample push); prefix caching is off, so they share no KV (DESIGN.md: stale KV after an update).
-3. Evaluation never holds back an update: its requests run alongside training (in actor.max_inflight/4
-   extra engine slots) across any number of updates, and every eval token records its version like a
-   training token; eval.jsonl names the span of versions that produced the score (`versions`), its
-   `version` is the one at which the evaluation started. Only actor process 0 evaluates.
+2. A group's `group_size` attempts are independent n=1 requests (finer admission, per-sample push);
+   prefix caching is off, so they share no KV (DESIGN.md: stale KV after an update).
+3. Evaluation never holds back an update: its requests run beside training (in actor.max_inflight/4 extra
+   engine slots) across any number of updates, each token labelled with its version like a training one;
+   eval.jsonl gives the span of versions behind a score (`versions`) and the one it started at. Only
+   actor process 0 evaluates.
 4. Stale KV is kept across an update (the paper's default); actor.recompute_kv=true recomputes it.
 5. Several actor processes split the lag budget evenly (exact for one process; see `admit`).
 """
@@ -170,47 +166,41 @@ async def generate(engine, prompt: str, params, request_id: str) -> dict:
 # --- announcements: a thread blocks on the store, the loop is woken -----------------------------------------
 
 class Announcements:
-    """Waits (in a thread, on its own store connection: no polling) for `announce/<n>` and wakes the loop.
-    `pending` lists the announced values not yet handled, oldest first: each version is one broadcast the
-    engines must join; "done" ends the run."""
+    """Waits (in a thread, on its own store connection: no polling) for `announce/<n>`, n = first, first+1,
+    ...; `pending` lists the values not yet handled, oldest first (each version is one broadcast the
+    engines must join; "done" ends the run). `error`: the store's master (trainer rank 0) went away."""
 
     def __init__(self, cfg, first: int, loop, wake: asyncio.Event):
-        self.pending, self.error, self.next = [], None, first
+        self.pending, self.error, self.next, self.loop, self.wake = [], None, first, loop, wake
         self.store = ws.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
-        self.loop, self.wake = loop, wake
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self):
         try:
-            while True:
-                key = f"announce/{self.next}"
-                self.store.wait([key], timedelta(days=365))  # returns the moment the trainer sets it
-                value = self.store.get(key).decode()
+            while (value := self._wait(f"announce/{self.next}")) != "done":
                 self.next += 1
-                self.loop.call_soon_threadsafe(self._arrived, value)
-                if value == "done":
-                    return
-        except Exception as e:  # noqa: BLE001 - the store's master (trainer rank 0) went away
-            self.loop.call_soon_threadsafe(self._arrived, e)
+        except Exception as e:  # noqa: BLE001
+            self.loop.call_soon_threadsafe(setattr, self, "error", e)
+        self.loop.call_soon_threadsafe(self.wake.set)
 
-    def _arrived(self, value):
-        if isinstance(value, BaseException):
-            self.error = value
-        else:
-            self.pending.append(value)
-        self.wake.set()
+    def _wait(self, key):
+        self.store.wait([key], timedelta(days=365))  # returns the moment the trainer sets it
+        value = self.store.get(key).decode()
+        self.loop.call_soon_threadsafe(self.pending.append, value)
+        self.loop.call_soon_threadsafe(self.wake.set)
+        return value
 
 
-# --- actor state ---------------------------------------------------------------------------------------
+# --- actor state and admission control --------------------------------------------------------------------
 
 @dataclass
 class ActorState:
     """What the loop knows; tests read it. Versions count optimizer steps (0 = initial weights)."""
     version: int = -1
     first_version: int = -1
-    started: int = 0            # samples started since this process began (or since this version, conventional)
+    started: int = 0            # samples started since this process began (conventional: since this version)
     started_total: int = 0
-    dropped: int = 0            # of those, dropped on the way (verifier/trainer, store key dropped/<proc>)
+    dropped: int = 0            # of those, dropped on the way (verifier/trainer: store key dropped/<proc>)
     dropped_at_update: int = 0  # `dropped` when the current version arrived (conventional)
     pushed: int = 0
     inflight: int = 0           # training samples being generated
@@ -237,59 +227,164 @@ def admit(cfg, st: ActorState, procs: int) -> bool:
     group admitted while G runs was admitted under a budget <= (u - v0 + max_lag + 1)*B; when G
     completes (the verifier forwards whole groups), fewer samples than that were delivered before it, so
     G's samples are consumed at index k < (u - v0 + max_lag + 1)*B, i.e. by version <= u + max_lag, and
-    all G's tokens were sampled by versions >= u: lag <= max_lag. A dropped sample (a zero-advantage
-    group the verifier drops, a malformed one) is never consumed, so it is given back (`dropped`, reported
-    through the store; a drop learnt late only made admission more cautious meanwhile). Nothing stalls:
-    when the budget is spent, the groups in flight finish, u_min becomes the current version v, and the
-    budget covers the (v - v0 + 1)*B samples the trainer needs for its next step. With P actor processes
-    each takes B/P (common.validate requires whole groups): exact for P=1, approximate when processes run
-    at different speeds.
+    all G's tokens were sampled by versions >= u: lag <= max_lag. A dropped sample (a zero-advantage group
+    the verifier drops, a malformed one) is never consumed, so it is given back (`dropped`; one learnt
+    late only made admission more cautious meanwhile). Nothing stalls: when the budget is spent, the
+    groups in flight finish, u_min becomes the current version v, and the budget covers the (v - v0 + 1)*B
+    samples the trainer needs for its next step. P actor processes take B/P each (common.validate: whole
+    groups): exact for P=1, approximate when processes run at different speeds.
     Conventional: B*G_steps samples delivered per RL step (B*(G_steps - version % G_steps) for the first
     after resuming mid-RL-step), then wait for the next weights.
     """
     a, B, gs = cfg.actor, cfg.trainer.batch_size, cfg.actor.group_size
-    delivered = st.started - (st.dropped - st.dropped_at_update if a.schedule == "conventional" else st.dropped)
     if a.schedule == "conventional":
-        return delivered + gs <= B * (a.G_steps - st.version % a.G_steps) // procs
-    return delivered + gs <= (st.u_min() - st.first_version + a.max_lag + 1) * B // procs
+        return st.started - (st.dropped - st.dropped_at_update) + gs <= B * (a.G_steps - st.version % a.G_steps) // procs
+    return st.started - st.dropped + gs <= (st.u_min() - st.first_version + a.max_lag + 1) * B // procs
 
 
 # --- the loop (Algorithm 2) ------------------------------------------------------------------------------
 
-async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0, st: ActorState = None):
-    """Generate until `stop` is set or the trainer announces "done"; returns the state. The engines must
-    have joined the weight group. Each pass of the loop: take pending weights, start an evaluation when
-    one is due, admit new groups, log; then sleep until a sample finishes or weights are announced."""
-    import zmq.asyncio
-    st = st or ActorState()
-    st.per_engine = [0] * len(engines)
-    wake, loop = asyncio.Event(), asyncio.get_running_loop()
-    stream, test = load_tasks(cfg)
-    tokenizer = None
-    if cfg.data.prompt_format == "chat":
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    push = zmq.asyncio.Context.instance().socket(zmq.PUSH)  # awaits backpressure instead of blocking the loop
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
-    train_params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
-    tasks, pauses, wire_load = set(), [], []
+class Actor:
+    """The loop's pieces; `run` is Algorithm 2: take new weights, evaluate when due, keep H sequences in
+    progress within the lag budget, log; sleep until a sample finishes or weights are announced."""
 
-    async def sample(e, problem, prompt, gid, k, evaluation=None):
-        """One attempt: generate (across any number of updates), push, release the admission slot."""
-        params = train_params if evaluation is None else evaluation["params"]
+    def __init__(self, cfg, engines, store, proc_index, st):
+        import zmq.asyncio
+        self.cfg, self.engines, self.store, self.proc, self.st = cfg, engines, store, proc_index, st
+        self.stream, self.test = load_tasks(cfg)
+        self.tokenizer = None
+        if cfg.data.prompt_format == "chat":
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        self.push = zmq.asyncio.Context.instance().socket(zmq.PUSH)  # awaits backpressure, never blocks the loop
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
+        self.params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
+        self.wake, self.tasks, self.eval_task, self.last_eval = asyncio.Event(), set(), None, None
+        self.updates_window, self.last_log, self.blocked_at_log, self.drops_checked = [], time.time(), 0.0, 0.0
+        st.per_engine = [0] * len(engines)
+
+    async def run(self, stop: asyncio.Event) -> ActorState:
+        cfg, st = self.cfg, self.st
+        announcements = await self.first_weights()
+        while not stop.is_set():
+            for error in (st.error, announcements.error, self.eval_task and self.eval_task.done() and
+                          self.eval_task.exception()):
+                if error:
+                    raise error
+            if announcements.pending[:1] == ["done"]:  # the trainer's last step: a normal end
+                self.store.add("done_ack", 1)  # the trainer keeps its store up until every actor has seen this
+                break
+            await self.update(announcements.pending)
+            self.evaluate()
+            blocked = self.admit_groups()
+            self.log()
+            # --- sleep until a sample finishes, weights are announced, or a tick passes ---
+            self.wake.clear()
+            waiting = blocked or (cfg.actor.schedule == "conventional" and not st.inflight)  # look at drops soon
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=0.05 if waiting else cfg.run.log_every)
+            except asyncio.TimeoutError:
+                pass
+        for t in ([self.eval_task] if self.eval_task else []) + list(self.tasks):  # evaluation first: it
+            t.cancel()  # would start more requests
+            await asyncio.gather(t, return_exceptions=True)
+        self.push.close()
+        return st
+
+    async def first_weights(self) -> Announcements:
+        """Block until the trainer's newest announced version is loaded (or a reused engine holds it)."""
+        cfg, st, store = self.cfg, self.st, self.store
+        deadline = time.time() + cfg.run.peer_timeout_s
+        while not (store.check(["cursor"]) and (n := int(store.add("announced", 0))) >= 1):  # cursor, version 0
+            if time.time() > deadline:
+                raise PeerTimeout(f"no weights announced by the trainer at {cfg.sync.host}:{cfg.sync.port} "
+                                  f"after {cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s)")
+            await asyncio.sleep(0.01)
+        self.next_group = int(store.get("cursor")) + self.proc
+        announced = int(store.get(f"announce/{n}"))  # (get waits while the trainer is between its two writes)
+        loaded = await self.engines[0].get_weight_version()
+        if loaded is not None and loaded.isdigit() and int(loaded) >= announced:  # a reused engine holds it
+            st.version = int(loaded)
+        else:  # the newest announcement's broadcast is waiting for us
+            st.version = announced
+            await update_weights(self.engines, announced, cfg.actor.recompute_kv, cfg.sync.timeout_s)
+        st.first_version = st.version
+        return Announcements(cfg, n + 1, asyncio.get_running_loop(), self.wake)
+
+    async def update(self, pending: list):
+        """Every announced broadcast, in order; the conventional schedule only between its RL steps."""
+        while pending and pending[0] != "done" and (self.cfg.actor.schedule == "pipeline" or self.st.inflight == 0):
+            version = int(pending.pop(0))
+            stats, pause_s = await update_weights(self.engines, version, self.cfg.actor.recompute_kv,
+                                                  self.cfg.sync.timeout_s)
+            self.st.version, self.st.updates = version, self.st.updates + 1
+            self.updates_window.append((pause_s, max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
+            if self.cfg.actor.schedule == "conventional":
+                self.st.started, self.st.dropped_at_update = 0, self.st.dropped
+
+    def evaluate(self):
+        """One pass over the test split every actor.eval_every versions, one at a time (simplification 3)."""
+        cfg, st = self.cfg, self.st
+        due = self.last_eval is None or st.version - self.last_eval >= cfg.actor.eval_every
+        if cfg.actor.eval_every and self.test and self.proc == 0 and due and not (
+                self.eval_task and not self.eval_task.done()):
+            self.last_eval = st.version
+            self.eval_task = asyncio.create_task(self._evaluation(st.version))
+
+    async def _evaluation(self, version):
+        params = sampling_params(self.cfg, self.cfg.actor.eval_temperature)
+        slots, mine = asyncio.Semaphore(eval_slots(self.cfg)), []
+        for i, p in enumerate(self.test):
+            await slots.acquire()
+            prompt = format_prompt(p, self.tokenizer, self.cfg.data.prompt_format)
+            mine.append(asyncio.create_task(self.sample(i % len(self.engines), p, prompt, version, i, params, slots)))
+        await asyncio.gather(*mine)
+
+    def admit_groups(self) -> bool:
+        """Start groups while there are free slots (H per engine) and the lag budget allows (`admit`).
+        -> whether the budget, not capacity, held a slot empty."""
+        cfg, st, now, blocked = self.cfg, self.st, time.time(), False
+        while st.inflight + cfg.actor.group_size <= cfg.actor.max_inflight * len(self.engines):
+            if not admit(cfg, st, cfg.actor_procs):
+                if now - self.drops_checked > 0.05:  # budget spent: samples given back since we last looked?
+                    self.drops_checked = now
+                    st.dropped = int(self.store.add(f"dropped/{self.proc}", 0))
+                    if admit(cfg, st, cfg.actor_procs):
+                        continue
+                blocked = cfg.actor.schedule == "pipeline"
+                break
+            gid, self.next_group = self.next_group, self.next_group + cfg.actor_procs
+            problem = self.stream.get(gid)
+            prompt = format_prompt(problem, self.tokenizer, cfg.data.prompt_format)
+            e = min(range(len(self.engines)), key=lambda i: st.per_engine[i])
+            st.groups[gid] = [st.version, cfg.actor.group_size]
+            for k in range(cfg.actor.group_size):
+                st.inflight, st.per_engine[e] = st.inflight + 1, st.per_engine[e] + 1
+                self.tasks.add(asyncio.create_task(self.sample(e, problem, prompt, gid, k, self.params)))
+            st.started += cfg.actor.group_size
+            st.started_total += cfg.actor.group_size
+            self.store.add(f"started/{self.proc}", cfg.actor.group_size)  # for the trainer's "waiting for"
+        self.tasks = {t for t in self.tasks if not t.done()}
+        st.blocked_s += (now - getattr(self, "last_tick", now)) if blocked else 0.0
+        self.last_tick = now
+        return blocked
+
+    async def sample(self, e, problem, prompt, gid, k, params, eval_slots_=None):
+        """One attempt: generate (across any number of updates), push, release its slot."""
+        st, w, evaluation = self.st, self.st.window, eval_slots_ is not None
         try:
-            r = await generate(engines[e], prompt, params, f"{proc_index}-{'eval' if evaluation else 'g'}{gid}-{k}")
-            header = {"group_id": gid, "sample_idx": k, "group_size": len(test) if evaluation else cfg.actor.group_size,
-                      "task": problem.task, "answer": problem.answer, "finish_reason": r["finish_reason"],
-                      "t_start": r["t_start"], "t_end": r["t_end"], "proc": proc_index, "eval": evaluation is not None}
-            await push.send_multipart(common.encode(header, {n: r[n] for n in common.SCHEMAS["rollout"][1]}), copy=False)
-            w = st.window
+            r = await generate(self.engines[e], prompt, params, f"{self.proc}-{'e' if evaluation else 'g'}{gid}-{k}")
+            header = {"group_id": gid, "sample_idx": k, "task": problem.task, "answer": problem.answer,
+                      "group_size": len(self.test) if evaluation else self.cfg.actor.group_size, "proc": self.proc,
+                      "finish_reason": r["finish_reason"], "t_start": r["t_start"], "t_end": r["t_end"],
+                      "eval": evaluation}
+            await self.push.send_multipart(common.encode(header, {n: r[n] for n in common.SCHEMAS["rollout"][1]}),
+                                           copy=False)
             w["engine_tokens"] = w.get("engine_tokens", 0) + len(r["completion_ids"])
-            if evaluation is None:
+            if not evaluation:
                 lag = st.version - r["versions"]
-                w["tokens"] = w.get("tokens", 0) + len(lag)
-                w["samples"] = w.get("samples", 0) + 1
+                w["tokens"], w["samples"] = w.get("tokens", 0) + len(lag), w.get("samples", 0) + 1
                 if len(lag):
                     w["lag_min"] = min(w.get("lag_min", 1 << 30), int(lag.min()))
                     w["lag_max"] = max(w.get("lag_max", 0), int(lag.max()))
@@ -298,134 +393,38 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
         except Exception as ex:  # noqa: BLE001 - the loop raises it
             st.error = ex
         finally:
-            if evaluation is not None:
-                evaluation["slots"].release()
+            if evaluation:
+                eval_slots_.release()
             else:
-                st.inflight -= 1
-                st.per_engine[e] -= 1
-                g = st.groups[gid]
-                g[1] -= 1
-                if g[1] == 0:
+                st.inflight, st.per_engine[e] = st.inflight - 1, st.per_engine[e] - 1
+                st.groups[gid][1] -= 1
+                if st.groups[gid][1] == 0:
                     del st.groups[gid]
-            wake.set()
+            self.wake.set()
 
-    async def evaluate(version):
-        """The test split, one greedy attempt each, at most eval_slots at a time: graded by the verifier."""
-        ev = {"params": sampling_params(cfg, cfg.actor.eval_temperature), "slots": asyncio.Semaphore(eval_slots(cfg))}
-        mine = []
-        for i, p in enumerate(test):
-            await ev["slots"].acquire()
-            prompt = format_prompt(p, tokenizer, cfg.data.prompt_format)
-            mine.append(asyncio.create_task(sample(i % len(engines), p, prompt, version, i, ev)))
-        await asyncio.gather(*mine)  # one evaluation at a time
+    def log(self):
+        now, st = time.time(), self.st
+        if now - self.last_log < self.cfg.run.log_every:
+            return
+        self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")  # heartbeat (trainer.waiting_for)
+        w, dt, u = st.window, now - self.last_log, np.array(self.updates_window).reshape(-1, 3)
+        log("actor", {"tokens_per_s": w.get("tokens", 0) / dt, "samples_per_s": w.get("samples", 0) / dt,
+                      "engine_tokens_per_s": w.get("engine_tokens", 0) / dt, "inflight": st.inflight,
+                      "version": st.version, "updates": st.updates, "lag_min": w.get("lag_min", 0),
+                      "lag_max": w.get("lag_max", 0), "lag_mean": w.get("lag_sum", 0) / max(1, w.get("tokens", 0)),
+                      "pause_s_mean": float(u[:, 0].mean()) if len(u) else 0.0,
+                      "pause_s_max": float(u[:, 0].max()) if len(u) else 0.0,
+                      "update_wire_s": float(u[:, 1].mean()) if len(u) else 0.0,
+                      "update_load_s": float(u[:, 2].mean()) if len(u) else 0.0,
+                      "admission_blocked_s": st.blocked_s - self.blocked_at_log, "started": st.started_total,
+                      "pushed": st.pushed, "dropped": st.dropped}, step=st.version)
+        st.window, self.updates_window, self.blocked_at_log, self.last_log = {}, [], st.blocked_s, now
 
-    # --- first weights: the trainer's newest announced version ---
-    deadline = time.time() + cfg.run.peer_timeout_s
-    while not (store.check(["cursor"]) and (n := int(store.add("announced", 0))) >= 1):  # cursor, then version 0
-        if time.time() > deadline:
-            raise PeerTimeout(f"no weights announced by the trainer at {cfg.sync.host}:{cfg.sync.port} "
-                              f"after {cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s)")
-        await asyncio.sleep(0.01)
-    cursor = int(store.get("cursor"))
-    announced = int(store.get(f"announce/{n}"))  # (get waits while the trainer is between its two writes)
-    announcements = Announcements(cfg, n + 1, loop, wake)
-    loaded = await engines[0].get_weight_version()
-    if loaded is not None and loaded.isdigit() and int(loaded) >= announced:  # a reused engine holds it
-        st.version = int(loaded)
-    else:  # the newest announcement's broadcast is waiting for us
-        st.version = announced
-        await update_weights(engines, announced, cfg.actor.recompute_kv, cfg.sync.timeout_s)
-    st.first_version = st.version
-    next_group = cursor + proc_index
-    eval_task, last_eval = None, None
-    last_log = last_tick = last_drop_check = time.time()
-    blocked_s = 0.0
 
-    while not stop.is_set():
-        if st.error is not None:
-            raise st.error
-        if announcements.error is not None:
-            raise announcements.error
-        # --- weights: every announced broadcast, in order (conventional: only between RL steps) ---
-        if announcements.pending and announcements.pending[0] == "done":  # the trainer's last step: a normal end
-            store.add("done_ack", 1)  # the trainer keeps its store up until every actor has seen this
-            break
-        ready = cfg.actor.schedule == "pipeline" or st.inflight == 0
-        while announcements.pending and announcements.pending[0] != "done" and ready:
-            version = int(announcements.pending.pop(0))
-            stats, pause_s = await update_weights(engines, version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
-            st.version, st.updates = version, st.updates + 1
-            pauses.append(pause_s)
-            wire_load.append((max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
-            if cfg.actor.schedule == "conventional":
-                st.started, st.dropped_at_update = 0, st.dropped
-        if eval_task is not None and eval_task.done():
-            eval_task.result()  # surface errors
-        # --- evaluation: never waited for (simplification 3) ---
-        due = last_eval is None or st.version - last_eval >= cfg.actor.eval_every
-        if cfg.actor.eval_every and test and proc_index == 0 and due and (eval_task is None or eval_task.done()):
-            last_eval = st.version
-            eval_task = asyncio.create_task(evaluate(st.version))
-        # --- admission: start groups while the lag budget allows ---
-        now = time.time()
-        was_blocked = False
-        while st.inflight + cfg.actor.group_size <= cfg.actor.max_inflight * len(engines):  # H per engine
-            if not admit(cfg, st, cfg.actor_procs):
-                if now - last_drop_check > 0.05:  # budget spent: samples given back since we last looked?
-                    last_drop_check = now
-                    st.dropped = int(store.add(f"dropped/{proc_index}", 0))
-                    if admit(cfg, st, cfg.actor_procs):
-                        continue
-                was_blocked = cfg.actor.schedule == "pipeline"  # free slots, but the lag budget is spent
-                break
-            gid, next_group = next_group, next_group + cfg.actor_procs
-            problem = stream.get(gid)
-            prompt = format_prompt(problem, tokenizer, cfg.data.prompt_format)
-            e = min(range(len(engines)), key=lambda i: st.per_engine[i])
-            st.groups[gid] = [st.version, cfg.actor.group_size]
-            for k in range(cfg.actor.group_size):
-                st.inflight += 1
-                st.per_engine[e] += 1
-                tasks.add(asyncio.create_task(sample(e, problem, prompt, gid, k)))
-            st.started += cfg.actor.group_size
-            st.started_total += cfg.actor.group_size
-            store.add(f"started/{proc_index}", cfg.actor.group_size)  # for the trainer's "waiting for" message
-        tasks = {t for t in tasks if not t.done()}
-        blocked_s += (now - last_tick) if was_blocked else 0.0
-        st.blocked_s += (now - last_tick) if was_blocked else 0.0
-        last_tick = now
-        # --- metrics ---
-        if now - last_log >= cfg.run.log_every:
-            store.set(f"alive/{proc_index}", f"{now:.1f} {os.uname().nodename}")  # heartbeat (trainer.waiting_for)
-            w, dt = st.window, now - last_log
-            log("actor", {"tokens_per_s": w.get("tokens", 0) / dt, "samples_per_s": w.get("samples", 0) / dt,
-                          "engine_tokens_per_s": w.get("engine_tokens", 0) / dt,
-                          "inflight": st.inflight, "version": st.version, "updates": st.updates,
-                          "lag_min": w.get("lag_min", 0), "lag_max": w.get("lag_max", 0),
-                          "lag_mean": w.get("lag_sum", 0) / max(1, w.get("tokens", 0)),
-                          "pause_s_mean": float(np.mean(pauses)) if pauses else 0.0,
-                          "pause_s_max": max(pauses, default=0.0),
-                          "update_wire_s": float(np.mean([x[0] for x in wire_load])) if wire_load else 0.0,
-                          "update_load_s": float(np.mean([x[1] for x in wire_load])) if wire_load else 0.0,
-                          "admission_blocked_s": blocked_s, "started": st.started_total, "pushed": st.pushed,
-                          "dropped": st.dropped}, step=st.version)
-            st.window, pauses, wire_load, blocked_s, last_log = {}, [], [], 0.0, now
-        # --- sleep until a sample finishes, weights are announced, or a tick passes ---
-        wake.clear()
-        tick = 0.05 if was_blocked or (cfg.actor.schedule == "conventional" and not st.inflight) else cfg.run.log_every
-        try:
-            await asyncio.wait_for(wake.wait(), timeout=tick)
-        except asyncio.TimeoutError:
-            pass
-
-    if eval_task is not None:
-        eval_task.cancel()  # first: it would start more requests
-        await asyncio.gather(eval_task, return_exceptions=True)
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    push.close()
-    return st
+async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0, st: ActorState = None):
+    """Generate until `stop` is set or the trainer announces "done"; returns the state (the engines must
+    have joined the weight group)."""
+    return await Actor(cfg, engines, store, proc_index, st or ActorState()).run(stop)
 
 
 # --- entry point --------------------------------------------------------------------------------------------
