@@ -119,6 +119,8 @@ class TrainerCfg:
     keep_checkpoints: int = 2
     init_from: str = ""
     activation_checkpointing: bool = False
+    prefetch: bool = True
+    reduce_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ _CHOICES = {
     ("data", "prompt_format"): ("plain", "chat"),
     ("actor", "schedule"): ("pipeline", "conventional"),
     ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
+    ("trainer", "reduce_dtype"): ("float32", "bfloat16"),
 }
 
 

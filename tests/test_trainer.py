@@ -158,6 +158,34 @@ def test_fsdp_matches_single_process_adamw(tmp_path, world):
     assert sum(results[0]["shard_sizes"]) * world == sum(n + (-n % world) for n in results[0]["unit_numels"])
 
 
+def _prefetch_worker(rank, world, port, tmp, batches):
+    _init(rank, world, port)
+    out = {}
+    for prefetch in ("false", "true"):
+        for ac in ("false", "true"):
+            cfg = make_cfg(tmp, world, **{"trainer.prefetch": prefetch, "trainer.activation_checkpointing": ac})
+            state = trainer.build_state(cfg, CPU, model=tiny_model())
+            metrics = [trainer.train_step(state, _share(b, world, rank), cfg) for b in batches]
+            out[prefetch, ac] = (full_params(state), [(m["loss"], m["grad_norm"]) for m in metrics],
+                                 state.fsdp.peak_bytes)
+    if rank == 0:
+        torch.save(out, Path(tmp) / "prefetch.pt")
+    dist.destroy_process_group()
+
+
+def test_prefetch_is_bit_identical(tmp_path):
+    """2 gloo ranks, 3 steps, with and without activation checkpointing: prefetching all-gathers and async
+    reduce-scatters change when collectives run, never what they compute, so parameters, losses and norms are
+    equal bit for bit (torch.equal). The prefetch really ran: its peak of gathered memory is one block higher."""
+    spawn(_prefetch_worker, 2, str(tmp_path), [make_batch(12, v, seed=v) for v in range(3)])
+    out = torch.load(tmp_path / "prefetch.pt", weights_only=False)
+    for ac in ("false", "true"):
+        (p_off, m_off, peak_off), (p_on, m_on, peak_on) = out["false", ac], out["true", ac]
+        assert m_on == m_off, ac
+        assert p_on.keys() == p_off.keys() and all(torch.equal(p_on[k], p_off[k]) for k in p_off), ac
+        assert peak_on > peak_off, ac
+
+
 def test_micro_batch_and_activation_checkpointing_invariance(tmp_path):
     """Many small micro-batches == one big one == with activation checkpointing; world 1, in-process.
     Tolerance 1e-6: only the summation order of the micro-batch gradients differs (measured ~1e-8)."""
@@ -176,14 +204,21 @@ def test_micro_batch_and_activation_checkpointing_invariance(tmp_path):
 
 def test_gathered_parameter_memory_stays_two_units(tmp_path):
     """Peak bytes of gathered (full) parameters during a step, counted until the buffers are really freed
-    (weakref.finalize on each gathered buffer): the root unit plus one block, never the whole model."""
-    cfg = make_cfg(tmp_path, **{"trainer.micro_batch_tokens": 16})
-    state = trainer.build_state(cfg, CPU, model=tiny_model(layers=6))
-    trainer.train_step(state, make_batch(12, 0, seed=0), cfg)
-    sizes = sorted(u.numel * 4 for u in state.fsdp.units)  # fp32 on CPU
-    assert state.fsdp.peak_bytes <= sizes[-1] + sizes[-2]
-    assert state.fsdp.peak_bytes < sum(sizes) / 3
-    assert state.fsdp.live_bytes == 0  # nothing gathered survives the step
+    (weakref.finalize on each gathered buffer). Without prefetch: the root unit (gathered for the whole forward,
+    re-gathered at the head's backward until the embedding's) plus one block. With prefetch: plus the block
+    gathered ahead while one computes, so root + two blocks (the bound prefetch needs, not more: it is reached),
+    never the whole model (6 blocks here: 38% of it)."""
+    peaks = {}
+    for prefetch in ("false", "true"):
+        cfg = make_cfg(tmp_path, **{"trainer.micro_batch_tokens": 16, "trainer.prefetch": prefetch})
+        state = trainer.build_state(cfg, CPU, model=tiny_model(layers=6))
+        trainer.train_step(state, make_batch(12, 0, seed=0), cfg)
+        assert state.fsdp.live_bytes == 0  # nothing gathered survives the step
+        peaks[prefetch] = state.fsdp.peak_bytes
+    root, *blocks = (u.numel * 4 for u in state.fsdp.units)  # fp32 on CPU
+    blocks = sorted(blocks)
+    assert peaks["false"] <= root + blocks[-1]
+    assert root + blocks[-1] < peaks["true"] <= root + blocks[-1] + blocks[-2]
 
 
 def test_run_root_equals_model_forward(tmp_path):
