@@ -19,8 +19,10 @@ Hand-written FSDP (DESIGN.md): sharding units = each decoder block of model.mode
 owns 1/W of every unit's flat fp32 master vector, its gradient and its AdamW moments. See `--- FSDP ---`.
 
 Deliberate simplifications vs. the paper and its released code (DeepSpeed ZeRO-3):
- 1. Collectives are synchronous: no prefetch of the next unit, no overlap of communication with compute.
- 2. Gradients are reduce-scattered in fp32 (2x the bytes of bf16 on GPU; exact sums across ranks).
+ 1. Overlap is one unit deep (trainer.prefetch: the next unit's all-gather and the last reduce-scatter run during
+    compute) on the one process group: all-gathers and reduce-scatters queue behind each other (torchtitan
+    gives them separate streams), and on CPU gloo's copies share the rank's core with compute.
+ 2. Gradients are reduce-scattered in fp32 by default (exact sums; trainer.reduce_dtype=bfloat16 halves the bytes).
  3. Micro-batches are right-padded rows of length-sorted samples, not one packed row with a block-diagonal
     mask: padding wastes (longest - length) tokens per row (small after sorting), a packed row would pay
     O(T^2) attention over micro_batch_tokens. trainer.micro_batch_tokens bounds rows x longest (padded).
@@ -170,7 +172,8 @@ class FSDP:
 
     def __init__(self, model, device, dtype, activation_checkpointing=False, prefetch=True,
                  reduce_dtype=torch.float32):
-        self.device, self.dtype, self.prefetch, self.reduce_dtype = device, dtype, prefetch, reduce_dtype
+        self.device, self.dtype, self.reduce_dtype = device, dtype, reduce_dtype
+        self.prefetch = prefetch and world() > 1  # one rank gathers by copying: nothing to overlap
         self.live = {}  # storage address of a gathered forward buffer -> its unit (for _pack)
         self.live_bytes = self.peak_bytes = 0  # gathered parameter memory, counted until truly freed
         self.reducing = None  # (work, shard gradient [S], unit) of the reduce-scatter in flight
@@ -226,7 +229,9 @@ class FSDP:
         full = torch.empty(shard.numel() * world(), dtype=dtype, device=shard.device)  # [N_pad]
         work = None
         if world() > 1:  # sync: every rank, same unit (c10d keeps the cast input alive until the work is done)
-            work = dist.all_gather_into_tensor(full, shard.detach().to(dtype), async_op=async_op)
+            # The collective gets an alias of `full`: its worker thread drops a finished collective's tensors
+            # whenever it next runs (on gloo on a loaded CPU, milliseconds later), which live_bytes leaves out.
+            work = dist.all_gather_into_tensor(full.detach(), shard.detach().to(dtype), async_op=async_op)
         else:
             full.copy_(shard.detach())
         self.live_bytes += full.nbytes

@@ -186,6 +186,40 @@ def test_prefetch_is_bit_identical(tmp_path):
         assert peak_on > peak_off, ac
 
 
+def _reduce_dtype_worker(rank, world, port, tmp):
+    _init(rank, world, port)
+    ids = [torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        state = trainer.build_state(make_cfg(tmp, world, **{"trainer.reduce_dtype": dtype}), CPU, model=tiny_model())
+        state.model(input_ids=ids[rank]).logits.pow(2).mean().backward()
+        out[dtype] = torch.cat([u.shard.grad for u in state.fsdp.units])  # [ΣS] this rank's summed shards
+    # Each rank's own gradient before any reduction (plain autograd, unsharded), cut like this rank's shards.
+    for r in range(world):
+        model = tiny_model()
+        model(input_ids=ids[r]).logits.pow(2).mean().backward()
+        grads = {n: p.grad.reshape(-1) for n, p in model.named_parameters()}
+        out[f"rank{r}"] = torch.cat([torch.cat([grads[n] for n in u.names] + [torch.zeros(u.pad)])
+                                     .chunk(world)[rank] for u in state.fsdp.units])  # [ΣS]
+    torch.save(out, Path(tmp) / f"reduce{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_bf16_reduce_scatter_is_within_two_roundings(tmp_path):
+    """trainer.reduce_dtype=bfloat16 on 2 gloo ranks: each rank's fp32 gradient a, b is rounded to bf16 and the
+    sum of the rounded values rounded again, each rounding of relative error <= 2^-8 (bf16 keeps 8 significant
+    bits), so |g - (a+b)| <= 2^-8 (|a|+|b|) + 2^-8 (1+2^-8)(|a|+|b|) = 2^-7 (1+2^-9)(|a|+|b|) per element
+    (measured max: 0.9 of it). The fp32 reduction equals a+b (1e-7: the same sum of the same values). The bf16
+    result must differ from the fp32 one (it really was reduced in bf16)."""
+    spawn(_reduce_dtype_worker, 2, str(tmp_path))
+    for r in range(2):
+        out = torch.load(tmp_path / f"reduce{r}.pt", weights_only=False)
+        exact, scale = out["rank0"] + out["rank1"], out["rank0"].abs() + out["rank1"].abs()  # [ΣS]
+        torch.testing.assert_close(out["float32"], exact, atol=1e-7, rtol=1e-6)
+        assert ((out["bfloat16"] - exact).abs() <= 2 ** -7 * (1 + 2 ** -9) * scale).all()
+        assert not torch.equal(out["bfloat16"], out["float32"])
+
+
 def test_micro_batch_and_activation_checkpointing_invariance(tmp_path):
     """Many small micro-batches == one big one == with activation checkpointing; world 1, in-process.
     Tolerance 1e-6: only the summation order of the micro-batch gradients differs (measured ~1e-8)."""
@@ -202,23 +236,32 @@ def test_micro_batch_and_activation_checkpointing_invariance(tmp_path):
             torch.testing.assert_close(runs[name][1][k], p, atol=1e-6, rtol=0, msg=f"{name}: {k}")
 
 
-def test_gathered_parameter_memory_stays_two_units(tmp_path):
-    """Peak bytes of gathered (full) parameters during a step, counted until the buffers are really freed
-    (weakref.finalize on each gathered buffer). Without prefetch: the root unit (gathered for the whole forward,
-    re-gathered at the head's backward until the embedding's) plus one block. With prefetch: plus the block
-    gathered ahead while one computes, so root + two blocks (the bound prefetch needs, not more: it is reached),
-    never the whole model (6 blocks here: 38% of it)."""
+def _memory_worker(rank, world, port, tmp):
+    _init(rank, world, port)
     peaks = {}
     for prefetch in ("false", "true"):
-        cfg = make_cfg(tmp_path, **{"trainer.micro_batch_tokens": 16, "trainer.prefetch": prefetch})
+        cfg = make_cfg(tmp, world, **{"trainer.micro_batch_tokens": 16, "trainer.prefetch": prefetch})
         state = trainer.build_state(cfg, CPU, model=tiny_model(layers=6))
-        trainer.train_step(state, make_batch(12, 0, seed=0), cfg)
+        trainer.train_step(state, _share(make_batch(12, 0, seed=0), world, rank), cfg)
         assert state.fsdp.live_bytes == 0  # nothing gathered survives the step
         peaks[prefetch] = state.fsdp.peak_bytes
-    root, *blocks = (u.numel * 4 for u in state.fsdp.units)  # fp32 on CPU
+    if rank == 0:
+        torch.save({"peaks": peaks, "units": [(u.numel + u.pad) * 4 for u in state.fsdp.units]}, Path(tmp) / "mem.pt")
+    dist.destroy_process_group()
+
+
+def test_gathered_parameter_memory_stays_two_units(tmp_path):
+    """Peak bytes of gathered (full, fp32 on CPU) parameters during a step on 2 ranks, counted until the buffers
+    are really freed (weakref.finalize on each gathered buffer). Without prefetch: the root unit (gathered for
+    the whole forward, re-gathered at the head's backward until the embedding's) plus one block. With prefetch:
+    plus the block gathered ahead while one computes, so root + two blocks (the bound prefetch needs, and it is
+    reached), never the whole model (6 blocks here: 38% of it)."""
+    spawn(_memory_worker, 2, str(tmp_path))
+    out = torch.load(tmp_path / "mem.pt", weights_only=False)
+    root, *blocks = out["units"]
     blocks = sorted(blocks)
-    assert peaks["false"] <= root + blocks[-1]
-    assert root + blocks[-1] < peaks["true"] <= root + blocks[-1] + blocks[-2]
+    assert out["peaks"]["false"] <= root + blocks[-1]
+    assert root + blocks[-1] < out["peaks"]["true"] <= root + blocks[-1] + blocks[-2]
 
 
 def test_run_root_equals_model_forward(tmp_path):
