@@ -284,6 +284,21 @@ def test_run_root_equals_model_forward(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
 
 
+def test_gpu_check_runs_in_smoke_mode(tmp_path):
+    """bench/gpu_check.py --smoke --big: every check of the one-shot GPU script, on CPU with tiny sizes and
+    gloo (2 CPU ranks stand for the machine's GPUs), so that the next device session only has to run it."""
+    out = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench/gpu_check.py"), "--smoke", "--big", "--out", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {"fsdp_fp32", "fsdp_fp32_ac", "fsdp_bf16", "nccl_2rank", "big", "big_ac", "big_chunk0", "ranks",
+            "big_ranks"} <= set(report)
+    assert report["ranks"]["prefetch_bit_equal"] and report["nccl_2rank"]["bit_equal"]
+    assert r.stdout.count("[gpu_check] PASS") == 9
+
+
 # --- weight broadcast -------------------------------------------------------------------------------------
 
 def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
