@@ -272,7 +272,8 @@ class FSDP:
         work = None
         if world() > 1:
             shard_grad = torch.empty(grad.numel() // world(), dtype=grad.dtype, device=grad.device)  # [S]
-            # Sync: every rank's gradient of this unit is summed; it is read in finish_reduce, after the wait.
+            # Sync: every rank's gradient of this unit is summed (c10d keeps `grad` alive until the work is
+            # done); the result is read in finish_reduce, after the wait.
             work = dist.reduce_scatter_tensor(shard_grad, grad, op=dist.ReduceOp.SUM, async_op=True)
             grad = shard_grad
         self.reducing = (work, grad, unit)
