@@ -19,9 +19,9 @@ Hand-written FSDP (DESIGN.md): sharding units = each decoder block of model.mode
 owns 1/W of every unit's flat fp32 master vector, its gradient and its AdamW moments. See `--- FSDP ---`.
 
 Deliberate simplifications vs. the paper and its released code (DeepSpeed ZeRO-3):
- 1. Overlap is one unit deep (trainer.prefetch: the next unit's all-gather and the last reduce-scatter run during
-    compute) on the one process group: all-gathers and reduce-scatters queue behind each other (torchtitan
-    gives them separate streams), and on CPU gloo's copies share the rank's core with compute.
+ 1. Overlap is one unit deep (trainer.prefetch: the next unit's all-gather and the previous unit's reduce-scatter
+    run during compute) on the one process group: all-gathers and reduce-scatters queue behind each other
+    (torchtitan gives them separate streams), and on CPU gloo's copies share the rank's core with compute.
  2. Gradients are reduce-scattered in fp32 by default (exact sums; trainer.reduce_dtype=bfloat16 halves the bytes).
  3. Micro-batches are right-padded rows of length-sorted samples, not one packed row with a block-diagonal
     mask: padding wastes (longest - length) tokens per row (small after sorting), a packed row would pay

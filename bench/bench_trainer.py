@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/bench_trainer.py [--repo /path/to/other/checkout] [--reps 2] [--steps 3]
          [--batch 32] [--micro-batch-tokens 4096] [--only scaling,one_core,memory] [--mem-tokens 1024]
-     (~8 min on 2 CPU cores with --repo, half without)
+     (~10 min on 2 CPU cores with --repo, half without)
 
 Every measurement runs in fresh processes (one per rank, one torch thread each, gloo on CPU) that import
 trainer.py from the checkout measured: this one, and with --repo the other one too, so before/after come
@@ -193,7 +193,8 @@ def main():
             for _ in range(args.reps):  # interleaved: a burst of load on the machine hits every configuration
                 for name, repo in repos.items():
                     for world, prefetch in configs:
-                        r = measure(repo, world, **job, over=over | ({"trainer.prefetch": prefetch} if world > 1 else {}))
+                        switch = {"trainer.prefetch": prefetch} if world > 1 else {}
+                        r = measure(repo, world, **job, over=over | switch)
                         if "unknown" in r.get("na", ""):  # a checkout before the key: its one behaviour
                             if prefetch == "false":
                                 continue
@@ -205,7 +206,8 @@ def main():
                 r = best[name, world, prefetch] = max(ok, key=lambda x: x["tokens_per_s"]) if ok else rs[0]
                 params = "n/a" if "na" in r else f"{r['params'] / 1e6:.2f}M"
                 print(f"{name:8} {model:5} {params:>7} {world:5d} {prefetch:>8} {fmt(r, 'tokens_per_s', '9.0f'):>9} "
-                      f"{fmt(r, 'step_s', '7.3f'):>7} {fmt(r, 'blocked', '16.1%'):>16} {fmt(r, 'peak_frac', '19.2f'):>19}  "
+                      f"{fmt(r, 'step_s', '7.3f'):>7} {fmt(r, 'blocked', '16.1%'):>16} "
+                      f"{fmt(r, 'peak_frac', '19.2f'):>19}  "
                       + (" ".join(f"{x['tokens_per_s']:.0f}" for x in ok) or r["na"]), flush=True)
             for (name, world, prefetch), two in best.items():
                 one = best[name, 1, "-"]
@@ -220,7 +222,8 @@ def main():
             summary.append(f"{name:6} default tiny model, one core, default trainer config: "
                            f"{fmt(r, 'tokens_per_s', '.0f')} tokens/s")
         if len(rows) == 2 and all("na" not in r for r in rows.values()):
-            summary.append(f"       one core, this / other: x{rows['this']['tokens_per_s'] / rows['other']['tokens_per_s']:.2f}")
+            ratio = rows["this"]["tokens_per_s"] / rows["other"]["tokens_per_s"]
+            summary.append(f"       one core, this / other: x{ratio:.2f}")
     if "memory" in only:
         rows = {}
         for name, repo in repos.items():
@@ -231,7 +234,8 @@ def main():
                            f"peak RSS {fmt(r, 'peak_mib', '.0f')} MiB, {fmt(r, 'step_mib', '.0f')} MiB above the "
                            f"RSS before the step")
         if len(rows) == 2 and all("na" not in r for r in rows.values()):
-            summary.append(f"       step memory above RSS, other / this: x{rows['other']['step_mib'] / rows['this']['step_mib']:.2f}")
+            ratio = rows["other"]["step_mib"] / rows["this"]["step_mib"]
+            summary.append(f"       step memory above the RSS before it, other / this: x{ratio:.2f}")
     print("\n" + "\n".join(summary))
 
 

@@ -278,8 +278,9 @@ def big_chunk0(tmp):
         torch.cuda.empty_cache()
     r = _big(tmp, over=CHUNKING["chunk0"])[0]
     c = REPORT["big"]
+    speed = c.get("tokens_per_s", 0) / r["tokens_per_s"]
     return {**r, "verdict": f"lm_head all at once: {_line(r)}; in chunks of {CHUNK} (big): peak "
-                            f"{c.get('peak_mem_gib')} GiB, tokens/s x{c.get('tokens_per_s', 0) / r['tokens_per_s']:.2f}"}
+                            f"{c.get('peak_mem_gib')} GiB, tokens/s x{speed:.2f}"}
 
 
 def _ranks_worker(rank, world, port, tmp, big_runs, out_path):
