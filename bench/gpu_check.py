@@ -27,6 +27,7 @@ vLLM on GPU is not checked here: the device machine has no vLLM and cannot downl
 """
 import argparse
 import gc
+import inspect
 import json
 import os
 import sys
@@ -247,11 +248,17 @@ def big(tmp):
     store = weights_sync.create_store("127.0.0.1", free_port(), True, 60)
     pg = weights_sync.init_group(store, 0, 1, "gloo" if SMOKE else "nccl", timeout_s=60)
     sender = weights_sync.WeightSender(store, pg, bucket_mb=32)
-    trainer.send_weights(state, sender, 1)  # warm-up (staging buffers)
+    if "cfg" in inspect.signature(trainer.send_weights).parameters:  # since sync.async_send: the blocking send
+        cfg = make_cfg(tmp, world=1, **{"sync.async_send": "false"})
+        send = lambda v: trainer.send_weights(state, sender, cfg, wait=True)  # noqa: E731 (sends version state.step)
+    else:
+        send = lambda v: trainer.send_weights(state, sender, v)  # noqa: E731
+    send(1)  # warm-up (staging buffers)
     _sync()
     times = []
     for v in range(2, 5):
-        times.append(trainer.send_weights(state, sender, v))
+        state.step = v
+        times.append(send(v))
         _sync()
     gb = out["params_M"] * 1e6 * 2 / 1e9
     assert out["loss_finite"], "non-finite loss"
