@@ -1,7 +1,7 @@
 """Trainer throughput and memory, measured side by side in one run, optionally against another checkout.
 
 Run: .venv/bin/python bench/bench_trainer.py [--repo /path/to/other/checkout] [--reps 2] [--steps 3]
-         [--batch 32] [--micro-batch-tokens 4096] [--only scaling,one_core,memory] [--mem-tokens 1024]
+         [--batch 32] [--micro-batch-tokens 4096] [--only scaling,one_core,memory] [--mem-tokens 2048]
      (~10 min on 2 CPU cores with --repo, half without)
 
 Every measurement runs in fresh processes (one per rank, one torch thread each, gloo on CPU) that import
@@ -20,9 +20,10 @@ out of the same run on the same machine load. A setting the other checkout's con
   one_core  trainer tokens/s of the default tiny model (scripts/make_tiny_model defaults) on one core with
             the checkout's default trainer config: a 128-sequence batch of arithmetic-like lengths.
   memory    peak memory of one training step, 152k vocabulary, hidden 64, at trainer.micro_batch_tokens =
-            --mem-tokens (one full micro-batch, the checkout's defaults otherwise): the process's peak RSS
-            during the step (Linux VmHWM, reset through /proc/self/clear_refs just before it), and that peak
-            above the RSS before the step.
+            --mem-tokens (one full micro-batch of 8 rows, 1/8 prompt; the checkout's defaults otherwise): the
+            process's peak RSS during the step (Linux VmHWM, reset through /proc/self/clear_refs just before
+            it), and that peak above the RSS before the step. 2048 by default: more completion positions
+            than one trainer.logits_chunk (1024), and the code before chunking needs ~6 GiB there (~12 at 4096).
 Tokens/s count prompt + completion tokens of all ranks per second of step time, after one warm-up step.
 Not a test: the numbers depend on the machine's load (shared cores: indicative only).
 """
@@ -166,7 +167,7 @@ def main():
     ap.add_argument("--micro-batch-tokens", type=int, default=4096, help="scaling runs (4096: the config default)")
     ap.add_argument("--reps", type=int, default=2, help="scaling runs per configuration, interleaved; best kept")
     ap.add_argument("--only", default="scaling,one_core,memory")
-    ap.add_argument("--mem-tokens", type=int, default=1024)
+    ap.add_argument("--mem-tokens", type=int, default=2048)
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
