@@ -19,8 +19,10 @@ Hand-written FSDP (DESIGN.md): sharding units = each decoder block of model.mode
 owns 1/W of every unit's flat fp32 master vector, its gradient and its AdamW moments. See `--- FSDP ---`.
 
 Deliberate simplifications vs. the paper and its released code (DeepSpeed ZeRO-3):
- 1. Collectives are synchronous: no prefetch of the next unit, no overlap of communication with compute.
- 2. Gradients are reduce-scattered in fp32 (2x the bytes of bf16 on GPU; exact sums across ranks).
+ 1. Overlap is one unit deep (trainer.prefetch: the next unit's all-gather and the previous unit's reduce-scatter
+    run during compute) on the one process group: all-gathers and reduce-scatters queue behind each other
+    (torchtitan gives them separate streams), and on CPU gloo's copies share the rank's core with compute.
+ 2. Gradients are reduce-scattered in fp32 by default (exact sums; trainer.reduce_dtype=bfloat16 halves the bytes).
  3. Micro-batches are right-padded rows of length-sorted samples, not one packed row with a block-diagonal
     mask: padding wastes (longest - length) tokens per row (small after sorting), a packed row would pay
     O(T^2) attention over micro_batch_tokens. trainer.micro_batch_tokens bounds rows x longest (padded).
@@ -100,12 +102,17 @@ def compute_dtype(cfg, device) -> torch.dtype:
 
 
 # --- FSDP ------------------------------------------------------------------------------------------
-# Forward: a unit's wrapped forward all-gathers its shards into one flat buffer in the compute dtype
-# (`_Gather`), points the modules' parameter attributes at views of it, runs, then drops the views. Tensors
-# autograd saves for backward that live in a gathered buffer are replaced by a handle (`_pack`), so nothing
-# keeps the buffer alive after the unit's forward. Backward: the first op that needs the unit's weights
-# unpacks a handle, which re-gathers the unit (`_unpack`); `_Gather.backward` runs once every weight of the
-# unit has its gradient, frees the re-gathered copy and reduce-scatters the flat gradient into the shard.
+# Forward: a unit's wrapped forward takes its shards all-gathered into one flat buffer in the compute dtype
+# (`_Gather`, `_take`), points the modules' parameter attributes at views of it, runs, then drops the views.
+# Tensors autograd saves for backward that live in a gathered buffer are replaced by a handle (`_pack`), so
+# nothing keeps the buffer alive after the unit's forward. Backward: the first op that needs the unit's
+# weights unpacks a handle, which re-gathers the unit (`_unpack`); `_Gather.backward` runs once every weight
+# of the unit has its gradient, frees the re-gathered copy and reduce-scatters the flat gradient (`_reduce`).
+# Overlap (trainer.prefetch; torchtitan/FSDP2 do the same): taking a unit's buffer first issues the
+# all-gather of the unit needed next, asynchronously, so that it runs while this unit computes (forward
+# needs root, block 1..L; backward the head (root), then L..1); a reduce-scatter is issued asynchronously
+# and waited on when the next unit's gradient is ready, so that it runs during that unit's backward.
+# Gathered parameters at any time: the root, the unit computing and the one prefetched.
 # Collective order: every rank builds the same graph (same model, zero-weight micro-batches have the same
 # structure) and the autograd engine runs ready nodes in a fixed order (highest sequence number first), so
 # all ranks issue the same all-gathers and reduce-scatters in the same order.
@@ -137,6 +144,7 @@ class Unit:
         self.decay = decay[lo:hi].to(device)  # [S] bool
         self.exp_avg = torch.zeros_like(self.shard)  # [S] AdamW first moment
         self.exp_avg_sq = torch.zeros_like(self.shard)  # [S] AdamW second moment
+        self.pending = None  # (work, buffer [N_pad]): an all-gather issued ahead by the prefetch, until taken
         self.regathered = None  # the unit's weights re-gathered for backward, until _Gather.backward
         for module, attr, _ in self.slots:  # the module's own parameters are gone: the shard is the truth
             module._parameters.pop(attr, None)
@@ -148,31 +156,28 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, fsdp, unit):
-        ctx.unit = unit
-        return fsdp.all_gather(shard)  # [N_pad]
+        ctx.fsdp, ctx.unit = fsdp, unit
+        return fsdp._take(unit)  # [N_pad]
 
     @staticmethod
     def backward(ctx, grad_full):  # [N_pad]
         # Ordering: this node needs the gradient of every weight of the unit, so every backward op that
         # used the weights has run: the re-gathered copy can go.
         ctx.unit.regathered = None
-        grad = grad_full.float()  # [N_pad] reduce in fp32 (simplification 2)
-        if world() == 1:
-            return grad, None, None
-        shard_grad = torch.empty(grad.numel() // world(), dtype=grad.dtype, device=grad.device)  # [S]
-        # Sync: every rank's gradient of this unit is summed; the result lands in the shard's .grad, where
-        # autograd accumulates it over micro-batches.
-        dist.reduce_scatter_tensor(shard_grad, grad, op=dist.ReduceOp.SUM)
-        return shard_grad, None, None
+        ctx.fsdp._reduce(ctx.unit, grad_full)
+        return None, None, None  # _reduce puts the summed gradient into shard.grad once it has arrived
 
 
 class FSDP:
     """Shards an HF causal LM (decoder blocks in model.model.layers) in place; see the section comment."""
 
-    def __init__(self, model, device, dtype, activation_checkpointing=False):
-        self.device, self.dtype = device, dtype
+    def __init__(self, model, device, dtype, activation_checkpointing=False, prefetch=True,
+                 reduce_dtype=torch.float32):
+        self.device, self.dtype, self.reduce_dtype = device, dtype, reduce_dtype
+        self.prefetch = prefetch and world() > 1  # one rank gathers by copying: nothing to overlap
         self.live = {}  # storage address of a gathered forward buffer -> its unit (for _pack)
         self.live_bytes = self.peak_bytes = 0  # gathered parameter memory, counted until truly freed
+        self.reducing = None  # (work, shard gradient [S], unit) of the reduce-scatter in flight
         layers = model.model.layers
         unit_of = {id(m): i + 1 for i, layer in enumerate(layers) for m in layer.modules()}
         entries = [[] for _ in range(len(layers) + 1)]  # unit 0 = root (embeddings, final norm, lm_head)
@@ -181,6 +186,8 @@ class FSDP:
                 if p is not None:
                     entries[unit_of.get(id(module), 0)].append((f"{mname}.{attr}", module, attr))
         self.units = [Unit(e, device) for e in entries]
+        for i, unit in enumerate(self.units):
+            unit.index = i
         model.to(device)  # what is left: buffers (rotary table), unsharded
         inner = model.forward
         model.forward = lambda *args, **kwargs: self.run_root(inner, *args, **kwargs)
@@ -216,21 +223,77 @@ class FSDP:
             return run(*args, **kwargs)
         module.forward = forward
 
-    def all_gather(self, shard, dtype=None):
-        """shard [S] -> the full flat unit [N_pad] (a new buffer, counted in live_bytes until freed)."""
+    def all_gather(self, shard, dtype=None, async_op=False):
+        """shard [S] -> the full flat unit [N_pad] (a new buffer, counted in live_bytes until freed).
+        async_op: -> (work to wait on before reading the buffer, or None; buffer)."""
         dtype = dtype or self.dtype
         full = torch.empty(shard.numel() * world(), dtype=dtype, device=shard.device)  # [N_pad]
-        if world() > 1:
-            dist.all_gather_into_tensor(full, shard.detach().to(dtype))  # sync: every rank, same unit
+        work = None
+        if world() > 1:  # sync: every rank, same unit (c10d keeps the cast input alive until the work is done)
+            # The collective gets an alias of `full`: its worker thread drops a finished collective's tensors
+            # whenever it next runs (on gloo on a loaded CPU, milliseconds later), which live_bytes leaves out.
+            work = dist.all_gather_into_tensor(full.detach(), shard.detach().to(dtype), async_op=async_op)
         else:
             full.copy_(shard.detach())
         self.live_bytes += full.nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         weakref.finalize(full, self._released, full.nbytes)  # fires when the last view is gone
-        return full
+        return (work, full) if async_op else full
 
     def _released(self, nbytes):
         self.live_bytes -= nbytes
+
+    def _next(self, unit):
+        """The unit whose weights are needed after `unit`'s: forward takes units in order (root, blocks
+        1..L); backward starts at the head (root), then L..1 (block 1's successor, the embedding, is root)."""
+        i, n = unit.index, len(self.units)
+        if torch._C._current_graph_task_id() < 0:  # not inside backward (checkpoint's recomputation is)
+            return self.units[i + 1] if i + 1 < n else None
+        return self.units[i - 1 if i else n - 1] if i != 1 and n > 1 else None
+
+    def _take(self, unit):
+        """-> the unit's gathered weights [N_pad]: the prefetched buffer, else gathered now."""
+        work, full = unit.pending or self.all_gather(unit.shard, async_op=True)
+        unit.pending = None
+        nxt = self._next(unit) if self.prefetch else None
+        if nxt is not None and nxt.pending is None:
+            # Sync (issue): every rank takes the same units in the same order, so every rank issues this
+            # all-gather at the same place in its sequence of collectives. It runs while `unit` computes.
+            nxt.pending = self.all_gather(nxt.shard, async_op=True)
+        if work is not None:
+            work.wait()  # sync: `unit`'s weights are here (on GPU the compute stream waits, the host goes on)
+        return full
+
+    def _reduce(self, unit, grad_full):
+        """grad_full [N_pad]: this rank's gradient of the unit -> summed over ranks into this rank's shard.grad."""
+        # Ordering: the previous unit's reduce-scatter ran during this unit's backward; it completes before
+        # the next is issued (one in flight: at most one extra unit of gradient memory).
+        self.finish_reduce()
+        grad = grad_full.to(self.reduce_dtype if world() > 1 else torch.float32)  # [N_pad] (simplification 2)
+        work = None
+        if world() > 1:
+            shard_grad = torch.empty(grad.numel() // world(), dtype=grad.dtype, device=grad.device)  # [S]
+            # Sync: every rank's gradient of this unit is summed (c10d keeps `grad` alive until the work is
+            # done); the result is read in finish_reduce, after the wait.
+            work = dist.reduce_scatter_tensor(shard_grad, grad, op=dist.ReduceOp.SUM, async_op=True)
+            grad = shard_grad
+        self.reducing = (work, grad, unit)
+        # The root's reduce-scatter is the last of a backward (the embedding is the first op of forward):
+        # nothing is left to overlap it with, so it completes now and every .grad is whole when backward() returns.
+        if not self.prefetch or unit.index == 0:
+            self.finish_reduce()
+
+    def finish_reduce(self):
+        """Wait for the reduce-scatter in flight; add its result to the unit's shard.grad (accumulated over
+        micro-batches, as autograd would: the first one is stored, the next ones added in place)."""
+        if self.reducing is None:
+            return
+        work, shard_grad, unit = self.reducing
+        self.reducing = None
+        if work is not None:
+            work.wait()  # sync: the summed gradient of `unit` is here
+        g = shard_grad.float()  # [S]
+        unit.shard.grad = g if unit.shard.grad is None else unit.shard.grad.add_(g)
 
     def gather(self, unit):
         full = _Gather.apply(unit.shard, self, unit)  # [N_pad]
@@ -254,12 +317,13 @@ class FSDP:
             return packed
         unit, size, stride, offset = packed
         if unit.regathered is None:  # the first backward op of this unit: gather it again
-            unit.regathered = self.all_gather(unit.shard)
+            unit.regathered = self._take(unit)
         return unit.regathered.as_strided(size, stride, offset)
 
     @torch.no_grad()
     def clip_and_step(self, step, lr, betas, eps, weight_decay, max_norm) -> float:
         """Clip by the global gradient norm, then AdamW (torch's formula) on this rank's shards. -> norm."""
+        self.finish_reduce()  # sync: every reduce-scatter has landed before the norm (the root's backward waited)
         sq = torch.stack([u.shard.grad.pow(2).sum() for u in self.units]).sum()  # this rank's Σ g²
         norm = all_reduce(sq).sqrt().item()  # sync: the norm over all shards of all units
         if not math.isfinite(norm):  # NaN/inf passes min(1, c/(norm+eps)): apply nothing (issue 13)
@@ -329,7 +393,9 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     model.config.use_cache = False
     model.train()
-    state = TrainState(model, FSDP(model, device, compute_dtype(cfg, device), cfg.trainer.activation_checkpointing))
+    tc = cfg.trainer
+    state = TrainState(model, FSDP(model, device, compute_dtype(cfg, device), tc.activation_checkpointing, tc.prefetch,
+                                   getattr(torch, tc.reduce_dtype)))
     if ckpt is not None:
         meta = json.loads((Path(ckpt) / "trainer_state.json").read_text())
         ranks = [rank()] if meta["world_size"] == world() else range(meta["world_size"])

@@ -159,6 +159,68 @@ def test_fsdp_matches_single_process_adamw(tmp_path, world):
     assert sum(results[0]["shard_sizes"]) * world == sum(n + (-n % world) for n in results[0]["unit_numels"])
 
 
+def _prefetch_worker(rank, world, port, tmp, batches):
+    _init(rank, world, port)
+    out = {}
+    for prefetch in ("false", "true"):
+        for ac in ("false", "true"):
+            cfg = make_cfg(tmp, world, **{"trainer.prefetch": prefetch, "trainer.activation_checkpointing": ac})
+            state = trainer.build_state(cfg, CPU, model=tiny_model())
+            metrics = [trainer.train_step(state, _share(b, world, rank), cfg) for b in batches]
+            out[prefetch, ac] = (full_params(state), [(m["loss"], m["grad_norm"]) for m in metrics],
+                                 state.fsdp.peak_bytes)
+    if rank == 0:
+        torch.save(out, Path(tmp) / "prefetch.pt")
+    dist.destroy_process_group()
+
+
+def test_prefetch_is_bit_identical(tmp_path):
+    """2 gloo ranks, 3 steps, with and without activation checkpointing: prefetching all-gathers and async
+    reduce-scatters change when collectives run, never what they compute, so parameters, losses and norms are
+    equal bit for bit (torch.equal). The prefetch really ran: its peak of gathered memory is one block higher."""
+    spawn(_prefetch_worker, 2, str(tmp_path), [make_batch(12, v, seed=v) for v in range(3)])
+    out = torch.load(tmp_path / "prefetch.pt", weights_only=False)
+    for ac in ("false", "true"):
+        (p_off, m_off, peak_off), (p_on, m_on, peak_on) = out["false", ac], out["true", ac]
+        assert m_on == m_off, ac
+        assert p_on.keys() == p_off.keys() and all(torch.equal(p_on[k], p_off[k]) for k in p_off), ac
+        assert peak_on > peak_off, ac
+
+
+def _reduce_dtype_worker(rank, world, port, tmp):
+    _init(rank, world, port)
+    ids = [torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        state = trainer.build_state(make_cfg(tmp, world, **{"trainer.reduce_dtype": dtype}), CPU, model=tiny_model())
+        state.model(input_ids=ids[rank]).logits.pow(2).mean().backward()
+        out[dtype] = torch.cat([u.shard.grad for u in state.fsdp.units])  # [ΣS] this rank's summed shards
+    # Each rank's own gradient before any reduction (plain autograd, unsharded), cut like this rank's shards.
+    for r in range(world):
+        model = tiny_model()
+        model(input_ids=ids[r]).logits.pow(2).mean().backward()
+        grads = {n: p.grad.reshape(-1) for n, p in model.named_parameters()}
+        out[f"rank{r}"] = torch.cat([torch.cat([grads[n] for n in u.names] + [torch.zeros(u.pad)])
+                                     .chunk(world)[rank] for u in state.fsdp.units])  # [ΣS]
+    torch.save(out, Path(tmp) / f"reduce{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_bf16_reduce_scatter_is_within_two_roundings(tmp_path):
+    """trainer.reduce_dtype=bfloat16 on 2 gloo ranks: each rank's fp32 gradient a, b is rounded to bf16 and the
+    sum of the rounded values rounded again, each rounding of relative error <= 2^-8 (bf16 keeps 8 significant
+    bits), so |g - (a+b)| <= 2^-8 (|a|+|b|) + 2^-8 (1+2^-8)(|a|+|b|) = 2^-7 (1+2^-9)(|a|+|b|) per element
+    (measured max: 0.9 of it). The fp32 reduction equals a+b (1e-7: the same sum of the same values). The bf16
+    result must differ from the fp32 one (it really was reduced in bf16)."""
+    spawn(_reduce_dtype_worker, 2, str(tmp_path))
+    for r in range(2):
+        out = torch.load(tmp_path / f"reduce{r}.pt", weights_only=False)
+        exact, scale = out["rank0"] + out["rank1"], out["rank0"].abs() + out["rank1"].abs()  # [ΣS]
+        torch.testing.assert_close(out["float32"], exact, atol=1e-7, rtol=1e-6)
+        assert ((out["bfloat16"] - exact).abs() <= 2 ** -7 * (1 + 2 ** -9) * scale).all()
+        assert not torch.equal(out["bfloat16"], out["float32"])
+
+
 def test_micro_batch_and_activation_checkpointing_invariance(tmp_path):
     """Many small micro-batches == one big one == with activation checkpointing; world 1, in-process.
     Tolerance 1e-6: only the summation order of the micro-batch gradients differs (measured ~1e-8)."""
@@ -218,16 +280,32 @@ def test_non_finite_gradient_skips_the_update(tmp_path):
     assert not torch.equal(state.fsdp.units[1].shard, before[1][0])
 
 
+def _memory_worker(rank, world, port, tmp):
+    _init(rank, world, port)
+    peaks = {}
+    for prefetch in ("false", "true"):
+        cfg = make_cfg(tmp, world, **{"trainer.micro_batch_tokens": 16, "trainer.prefetch": prefetch})
+        state = trainer.build_state(cfg, CPU, model=tiny_model(layers=6))
+        trainer.train_step(state, _share(make_batch(12, 0, seed=0), world, rank), cfg)
+        assert state.fsdp.live_bytes == 0  # nothing gathered survives the step
+        peaks[prefetch] = state.fsdp.peak_bytes
+    if rank == 0:
+        torch.save({"peaks": peaks, "units": [(u.numel + u.pad) * 4 for u in state.fsdp.units]}, Path(tmp) / "mem.pt")
+    dist.destroy_process_group()
+
+
 def test_gathered_parameter_memory_stays_two_units(tmp_path):
-    """Peak bytes of gathered (full) parameters during a step, counted until the buffers are really freed
-    (weakref.finalize on each gathered buffer): the root unit plus one block, never the whole model."""
-    cfg = make_cfg(tmp_path, **{"trainer.micro_batch_tokens": 16})
-    state = trainer.build_state(cfg, CPU, model=tiny_model(layers=6))
-    trainer.train_step(state, make_batch(12, 0, seed=0), cfg)
-    sizes = sorted(u.numel * 4 for u in state.fsdp.units)  # fp32 on CPU
-    assert state.fsdp.peak_bytes <= sizes[-1] + sizes[-2]
-    assert state.fsdp.peak_bytes < sum(sizes) / 3
-    assert state.fsdp.live_bytes == 0  # nothing gathered survives the step
+    """Peak bytes of gathered (full, fp32 on CPU) parameters during a step on 2 ranks, counted until the buffers
+    are really freed (weakref.finalize on each gathered buffer). Without prefetch: the root unit (gathered for
+    the whole forward, re-gathered at the head's backward until the embedding's) plus one block. With prefetch:
+    plus the block gathered ahead while one computes, so root + two blocks (the bound prefetch needs, and it is
+    reached), never the whole model (6 blocks here: 38% of it)."""
+    spawn(_memory_worker, 2, str(tmp_path))
+    out = torch.load(tmp_path / "mem.pt", weights_only=False)
+    root, *blocks = out["units"]
+    blocks = sorted(blocks)
+    assert out["peaks"]["false"] <= root + blocks[-1]
+    assert root + blocks[-1] < out["peaks"]["true"] <= root + blocks[-1] + blocks[-2]
 
 
 def test_run_root_equals_model_forward(tmp_path):
@@ -248,6 +326,21 @@ def test_run_root_equals_model_forward(tmp_path):
         assert state.fsdp.live_bytes == 0
     assert torch.equal(out[0][0], out[1][0])
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+
+
+def test_gpu_check_runs_in_smoke_mode(tmp_path):
+    """bench/gpu_check.py --smoke --big: every check of the one-shot GPU script, on CPU with tiny sizes and
+    gloo (2 CPU ranks stand for the machine's GPUs), so that the next device session only has to run it."""
+    out = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench/gpu_check.py"), "--smoke", "--big", "--out", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {"fsdp_fp32", "fsdp_fp32_ac", "fsdp_bf16", "nccl_2rank", "big", "big_ac", "big_chunk0", "ranks",
+            "big_ranks"} <= set(report)
+    assert report["ranks"]["prefetch_bit_equal"] and report["nccl_2rank"]["bit_equal"]
+    assert r.stdout.count("[gpu_check] PASS") == 9
 
 
 # --- weight broadcast -------------------------------------------------------------------------------------
