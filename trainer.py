@@ -1,37 +1,35 @@
 """Trainer: hand-written FSDP over torchrun ranks; pulls samples, packs, steps, sends weights, checkpoints.
 
-Consumes  training samples: ZMQ PULL connected to the verifier at ports.host:ports.samples, one
-          `common.recv(sock, "sample")` message per sequence (prompt_ids, completion_ids, logprobs = the
-          behaviour policy μ per completion token, versions = the policy version that sampled each token,
-          advantage, reward). Each rank pulls its own share, B/W sequences per step (B = trainer.batch_size).
-Produces  (1) weights after every optimizer step (every actor.G_steps steps when actor.schedule=conventional)
-          over the weight group (weights_sync.py; trainer rank 0 is its rank 0), labelled version = optimizer
-          steps taken; (2) checkpoints <run.dir>/checkpoints/step-N: HF safetensors + config + tokenizer,
+Consumes  samples: ZMQ PULL connected to the verifier at ports.host:ports.samples, one `sample` message per
+          sequence (prompt_ids, completion_ids, logprobs = the behaviour policy μ per completion token,
+          versions = the version that sampled each token, advantage, reward); each rank pulls its share,
+          B/W sequences per step (B = trainer.batch_size).
+Produces  (1) weights after every optimizer step (every actor.G_steps steps in the conventional schedule)
+          over the weight group (weights_sync.py; rank 0 is its rank 0), labelled version = optimizer steps
+          taken; (2) checkpoints <run.dir>/checkpoints/step-N: HF safetensors + config + tokenizer,
           optim-rank{r}.pt, trainer_state.json, COMPLETE; (3) metrics_trainer.jsonl and samples_trainer.jsonl
           (rank 0's sequences of each step: group ids and per-token versions run-length coded as [version, n]).
-
-Run alone (a verifier must push samples and the actor's vLLM workers must join the weight group):
+Run alone (a verifier must push samples, the actor's vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
 `python trainer.py` without torchrun runs one rank with no process group (every collective is a no-op).
 
 Hand-written FSDP (DESIGN.md): sharding units = each decoder block of model.model.layers + one root unit
-(embeddings, final norm, lm_head; buffers such as the rotary table stay unsharded on every rank). Each rank
-owns 1/W of every unit's flat fp32 master vector, its gradient and its AdamW moments. See `--- FSDP ---`.
+(embeddings, final norm, lm_head; buffers such as the rotary table stay unsharded). Each rank owns 1/W of
+every unit's flat fp32 master vector, its gradient and its AdamW moments. See `--- FSDP ---`.
 
 Deliberate simplifications vs. the paper and its released code (DeepSpeed ZeRO-3):
- 1. Overlap is one unit deep (trainer.prefetch: the next unit's all-gather and the previous unit's reduce-scatter
-    run during compute) on the one process group: all-gathers and reduce-scatters queue behind each other
-    (torchtitan gives them separate streams), and on CPU gloo's copies share the rank's core with compute.
+ 1. Overlap is one unit deep (trainer.prefetch: the next unit's all-gather and the previous unit's
+    reduce-scatter run during compute) on one process group: all-gathers and reduce-scatters queue behind
+    each other (torchtitan gives them separate streams); on CPU gloo's copies share the rank's core.
  2. Gradients are reduce-scattered in fp32 by default (exact sums; trainer.reduce_dtype=bfloat16 halves the bytes).
  3. Micro-batches are right-padded rows of length-sorted samples, not one packed row with a block-diagonal
     mask: padding wastes (longest - length) tokens per row (small after sorting), a packed row would pay
     O(T^2) attention over micro_batch_tokens. trainer.micro_batch_tokens bounds rows x longest (padded).
- 4. Logits are computed at prompt positions too and masked out (simpler, costs lm_head FLOPs on prompts).
- 5. Every rank loads the whole HF model into CPU memory once before sharding (no meta-device init).
- 6. Training stops while weights are broadcast; generation goes on (the in-flight part is the actor's).
- 7. Checkpoints assume a filesystem shared by all ranks. Resuming with another number of ranks re-cuts the
+ 4. Every rank loads the whole HF model into CPU memory once before sharding (no meta-device init).
+ 5. Checkpoints assume a filesystem shared by all ranks. Resuming with another number of ranks re-cuts the
     optimizer shards (every rank then reads all optimizer files once) and restarts the RNG streams.
- 8. samples_trainer.jsonl holds rank 0's share of each step only (1/W of the sequences).
+ 6. samples_trainer.jsonl holds rank 0's share of each step only (1/W of the sequences).
+ 7. The asynchronous weight send (sync.async_send) keeps one full copy of the weights on rank 0.
 """
 import json
 import math
