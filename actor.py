@@ -87,7 +87,17 @@ def start_engines(cfg, proc_index: int = 0) -> list:
     engines = []
     if not _on_gpu():
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores  # one OMP thread per listed core
-        return [AsyncLLM.from_engine_args(engine_args(cfg, proc_index)) for _ in range(cfg.actor.engines)]
+        # The engine core and its worker process inherit this affinity at spawn: both on actor.cpu_cores.
+        # They take turns step by step, and the engine core busy-waits on the worker's shared-memory
+        # queue (vLLM spins for 1 s after each read), which on a core of its own burns that core. This
+        # process (request intake, output processing, the actor loop) then runs on any core (issue 12).
+        allowed = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {c for part in cfg.actor.cpu_cores.split(",") for a, _, b in [part.partition("-")]
+                                 for c in range(int(a), int(b or a) + 1)})
+        try:
+            return [AsyncLLM.from_engine_args(engine_args(cfg, proc_index)) for _ in range(cfg.actor.engines)]
+        finally:
+            os.sched_setaffinity(0, allowed)
     import torch
     before = os.environ.get("CUDA_VISIBLE_DEVICES")  # physical ids (run.sh passes them as actor.gpus too)
     gpus = (cfg.actor.gpus or before or ",".join(map(str, range(torch.cuda.device_count())))).split(",")
@@ -180,15 +190,20 @@ class Announcements:
             while (value := self._wait(f"announce/{self.next}")) != "done":
                 self.next += 1
         except Exception as e:  # noqa: BLE001
-            self.loop.call_soon_threadsafe(setattr, self, "error", e)
-        self.loop.call_soon_threadsafe(self.wake.set)
+            self._tell(setattr, self, "error", e)
 
     def _wait(self, key):
         self.store.wait([key], timedelta(days=365))  # returns the moment the trainer sets it
         value = self.store.get(key).decode()
-        self.loop.call_soon_threadsafe(self.pending.append, value)
-        self.loop.call_soon_threadsafe(self.wake.set)
+        self._tell(self.pending.append, value)
         return value
+
+    def _tell(self, *call):
+        try:
+            self.loop.call_soon_threadsafe(*call)
+            self.loop.call_soon_threadsafe(self.wake.set)
+        except RuntimeError:  # the actor ended first: its loop is closed, there is no one left to tell
+            pass
 
 
 # --- actor state and admission control --------------------------------------------------------------------
@@ -260,7 +275,7 @@ class Actor:
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
         self.params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
-        self.wake, self.tasks, self.eval_task, self.last_eval = asyncio.Event(), set(), None, None
+        self.wake, self.tasks, self.eval_task, self.last_eval, self.updating = asyncio.Event(), set(), None, None, None
         self.updates_window, self.last_log, self.blocked_at_log, self.drops_checked = [], time.time(), 0.0, 0.0
         st.per_engine = [0] * len(engines)
 
@@ -273,9 +288,10 @@ class Actor:
                 if error:
                     raise error
             if announcements.pending[:1] == ["done"]:  # the trainer's last step: a normal end
+                await (self.updating or asyncio.sleep(0))
                 self.store.add("done_ack", 1)  # the trainer keeps its store up until every actor has seen this
                 break
-            await self.update(announcements.pending)
+            self.update(announcements.pending)
             self.evaluate()
             blocked = self.admit_groups()
             self.log()
@@ -286,7 +302,7 @@ class Actor:
                 await asyncio.wait_for(self.wake.wait(), timeout=0.05 if waiting else cfg.run.log_every)
             except asyncio.TimeoutError:
                 pass
-        for t in ([self.eval_task] if self.eval_task else []) + list(self.tasks):  # evaluation first: it
+        for t in [x for x in (self.eval_task, self.updating) if x] + list(self.tasks):  # evaluation first: it
             t.cancel()  # would start more requests
             await asyncio.gather(t, return_exceptions=True)
         self.push.close()
@@ -312,9 +328,18 @@ class Actor:
         st.first_version = st.version
         return Announcements(cfg, n + 1, asyncio.get_running_loop(), self.wake)
 
-    async def update(self, pending: list):
-        """Every announced broadcast, in order; the conventional schedule only between its RL steps."""
-        while pending and pending[0] != "done" and (self.cfg.actor.schedule == "pipeline" or self.st.inflight == 0):
+    def update(self, pending: list):
+        """Take every announced broadcast, in order, in a task of its own: the loop goes on admitting
+        meanwhile (requests added during the pause wait in the engine). Conventional: between RL steps."""
+        if self.updating is not None and not self.updating.done():
+            return
+        if self.updating is not None:
+            self.updating.result()  # surface errors
+        if pending and pending[0] != "done" and (self.cfg.actor.schedule == "pipeline" or self.st.inflight == 0):
+            self.updating = asyncio.create_task(self._take(pending))
+
+    async def _take(self, pending: list):
+        while pending and pending[0] != "done":
             version = int(pending.pop(0))
             stats, pause_s = await update_weights(self.engines, version, self.cfg.actor.recompute_kv,
                                                   self.cfg.sync.timeout_s)
@@ -322,6 +347,7 @@ class Actor:
             self.updates_window.append((pause_s, max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
             if self.cfg.actor.schedule == "conventional":
                 self.st.started, self.st.dropped_at_update = 0, self.st.dropped
+        self.wake.set()
 
     def evaluate(self):
         """One pass over the test split every actor.eval_every versions, one at a time (simplification 3)."""
@@ -364,7 +390,6 @@ class Actor:
                 self.tasks.add(asyncio.create_task(self.sample(e, problem, prompt, gid, k, self.params)))
             st.started += cfg.actor.group_size
             st.started_total += cfg.actor.group_size
-            self.store.add(f"started/{self.proc}", cfg.actor.group_size)  # for the trainer's "waiting for"
         self.tasks = {t for t in self.tasks if not t.done()}
         st.blocked_s += (now - getattr(self, "last_tick", now)) if blocked else 0.0
         self.last_tick = now
@@ -372,7 +397,7 @@ class Actor:
 
     async def sample(self, e, problem, prompt, gid, k, params, eval_slots_=None):
         """One attempt: generate (across any number of updates), push, release its slot."""
-        st, w, evaluation = self.st, self.st.window, eval_slots_ is not None
+        st, evaluation = self.st, eval_slots_ is not None
         try:
             r = await generate(self.engines[e], prompt, params, f"{self.proc}-{'e' if evaluation else 'g'}{gid}-{k}")
             header = {"group_id": gid, "sample_idx": k, "task": problem.task, "answer": problem.answer,
@@ -381,6 +406,7 @@ class Actor:
                       "eval": evaluation}
             await self.push.send_multipart(common.encode(header, {n: r[n] for n in common.SCHEMAS["rollout"][1]}),
                                            copy=False)
+            w = st.window  # this log line's (the loop replaces it after each line)
             w["engine_tokens"] = w.get("engine_tokens", 0) + len(r["completion_ids"])
             if not evaluation:
                 lag = st.version - r["versions"]
@@ -406,7 +432,9 @@ class Actor:
         now, st = time.time(), self.st
         if now - self.last_log < self.cfg.run.log_every:
             return
-        self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")  # heartbeat (trainer.waiting_for)
+        # Heartbeat and progress, for the trainer's "waiting for" message (trainer.waiting_for).
+        self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")
+        self.store.set(f"started/{self.proc}", str(st.started_total))
         w, dt, u = st.window, now - self.last_log, np.array(self.updates_window).reshape(-1, 3)
         log("actor", {"tokens_per_s": w.get("tokens", 0) / dt, "samples_per_s": w.get("samples", 0) / dt,
                       "engine_tokens_per_s": w.get("engine_tokens", 0) / dt, "inflight": st.inflight,

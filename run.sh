@@ -99,7 +99,10 @@ cores_count() { "$PY" -c "import sys; print(sum(len(range(int(a), int(b)+1)) if 
 launch() {  # launch ROLE CORES GPUS command...
   local role=$1 cores=$2 gpus=$3; shift 3
   local pin=()
-  if [[ -z "$gpus" && -n "$cores" ]]; then pin=(taskset -c "$cores"); fi
+  # CPU: pin the role to its cores. The actor pins its vLLM engine processes itself (actor.start_engines:
+  # engine core and worker on actor.cpu_cores); its front-end (request intake, output processing, the
+  # actor loop), Python that would take a share of the compute core, runs wherever a core is free.
+  if [[ -z "$gpus" && -n "$cores" && "$role" != actor ]]; then pin=(taskset -c "$cores"); fi
   local threads; threads=$(cores_count "${cores:-0}")
   # gpus is the role's resolved set on a GPU node (never empty for actor/trainer there: launch.device_sets),
   # "" for the verifier and on a CPU machine, where an empty CUDA_VISIBLE_DEVICES hides nothing needed.

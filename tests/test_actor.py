@@ -495,14 +495,19 @@ def test_async_send_newest_only_bit_identical(env):
         sender.close()  # waits for the last broadcast
         done.set()
 
+    # The receiver reads the store on a connection of its own, as the actor's Announcements thread does: a
+    # blocking get on the sender's client would hold that client's lock while the sender thread, between
+    # its two writes of announce(), waits for the same lock (a deadlock until the store's timeout).
+    store = ws.create_store("127.0.0.1", env["store"].port, False, 60)
+
     async def receiver():
-        got, n = [], int(env["store"].add("announced", 0))
-        while not (done.is_set() and int(env["store"].add("announced", 0)) == n):
-            if int(env["store"].add("announced", 0)) == n:
+        got, n = [], int(store.add("announced", 0))
+        while not (done.is_set() and int(store.add("announced", 0)) == n):
+            if int(store.add("announced", 0)) == n:
                 await asyncio.sleep(0.01)
                 continue
             n += 1
-            version = int(env["store"].get(f"announce/{n}"))
+            version = int(store.get(f"announce/{n}"))
             await asyncio.sleep(0.3)  # a slow receiver: the trainer goes on meanwhile
             stats, _ = await actor.update_weights([env["engine"]], version, False, 60)
             got.append((version, stats[0]["version"], (await env["engine"].collective_rpc("received_digests"))[0]))

@@ -291,3 +291,20 @@ def test_tiny_model_hf_and_vllm_greedy_agree(tiny_model_dir):
     assert 0.8e6 < n_params < 1.5e6 and not model.config.tie_word_embeddings
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["12+34=\n", "9+9=\n", "1234+5678=\n"]]
     assert vllm_greedy(tiny_model_dir, prompts) == hf_greedy(tiny_model_dir, prompts)
+
+
+def test_reading_guide_names_exist():
+    """docs/READING.md maps the paper to `file.py:function` (or `file.py:Class.method`): each must exist."""
+    import ast
+    import re
+    text = (REPO / "docs" / "READING.md").read_text()
+    refs = {r for r in re.findall(r"`(\w+\.py):([\w.]+)`", text) if r[0] != "file.py"}
+    assert len(refs) >= 12, refs
+    for path, name in refs:
+        tree = ast.parse((REPO / path).read_text())
+        scope = tree.body
+        for part in name.split("."):
+            found = [n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part]
+            assert found, f"docs/READING.md names {path}:{name}, which does not exist"
+            scope = found[0].body

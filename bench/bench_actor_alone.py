@@ -1,0 +1,95 @@
+"""The actor's generation path alone: actor.run_actor as `bash run.sh` runs it (same engine, sampling,
+prompts, admission loop, ZMQ push), but no trainer, verifier, weight updates or evaluation: a thread
+here is trainer rank 0 (it sends version 0, then nothing) and drains the rollouts. The lag budget is
+made unlimited, so the engine keeps actor.max_inflight sequences in flight as fast as it can. The
+denominator of "engine tokens/s inside a run / the same engine alone at the same h" (issue 12).
+
+    .venv/bin/python bench/bench_actor_alone.py [--seconds 60] [--h 64] [--cores 0] [--pin] [k=v ...]
+
+--pin: the actor process on --cores with its engine (as run.sh did before issue 12), else only vLLM's
+compute threads are bound there and the rest floats (as run.sh does now). Prints the mean of
+actor/engine_tokens_per_s over the last three quarters of the run (the first quarter warms up).
+Not a test: the number depends on the machine and on what else runs on it.
+"""
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--h", type=int, default=64)
+    ap.add_argument("--cores", default="0")
+    ap.add_argument("--pin", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    if args.pin:
+        os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
+    import torch
+    torch.set_num_threads(1)
+    import vllm.v1.engine.async_llm  # noqa: F401  (before any engine exists; see actor.main)
+    import zmq
+    import actor
+    import common
+    import weights_sync as ws
+    from safetensors.torch import load_file
+    from tests.conftest import free_port
+    tmp = tempfile.mkdtemp()
+    store = ws.create_store("127.0.0.1", 0, True, 120)
+    store.set("cursor", "0")
+    cfg = common.load_config([f"run.dir={tmp}", f"sync.port={store.port}", f"ports.rollouts={free_port()}",
+                              f"actor.max_inflight={args.h}", f"actor.cpu_cores={args.cores}", "actor.eval_every=0",
+                              "actor.max_lag=100000", *args.overrides])
+    common.setup_logging(cfg, "actor")
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(common.zmq_addr("127.0.0.1", cfg.ports.rollouts))
+    stop, got = threading.Event(), [0]
+
+    def drain():
+        while not stop.is_set():
+            if pull.poll(100):
+                pull.recv_multipart()
+                got[0] += 1
+
+    sd = load_file(os.path.join(cfg.model_path, "model.safetensors"))
+    manifest = [(n, tuple(t.shape), t.dtype) for n, t in sd.items()]
+
+    async def run():
+        engine = actor.start_engines(cfg)[0]
+        box = {}
+        th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 120)))
+        th.start()
+        await actor.join_weight_group(cfg, [engine])
+        th.join()
+        sender = ws.WeightSender(store, box["pg"], cfg.sync.bucket_mb)
+        threading.Thread(target=sender.send, args=(0, iter(sd.items()), manifest), daemon=True).start()
+        halt = asyncio.Event()
+        task = asyncio.ensure_future(actor.run_actor(cfg, [engine], store, halt))
+        await asyncio.sleep(args.seconds)
+        halt.set()
+        await task
+        engine.shutdown()
+
+    threading.Thread(target=drain, daemon=True).start()
+    t0 = time.time()
+    asyncio.run(run())
+    stop.set()
+    recs = [r for r in common.read_jsonl(Path(tmp) / "metrics_actor.jsonl") if "actor/engine_tokens_per_s" in r]
+    keep = [r["actor/engine_tokens_per_s"] for r in recs if r["time"] > t0 + (recs[-1]["time"] - t0) / 4]
+    print(f"\n== the actor alone, h={args.h}, cores {args.cores} ({'pinned' if args.pin else 'compute threads only'}): "
+          f"{np.mean(keep):.0f} engine tokens/s (mean of {len(keep)} one-second records; {got[0]} rollouts)")
+
+
+if __name__ == "__main__":
+    main()
