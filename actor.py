@@ -277,6 +277,7 @@ class Actor:
         self.params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
         self.wake, self.tasks, self.eval_task, self.last_eval, self.updating = asyncio.Event(), set(), None, None, None
         self.updates_window, self.last_log, self.blocked_at_log, self.drops_checked = [], time.time(), 0.0, 0.0
+        self.stalls_window, self.last_wire_load = [], None  # (stall, wire + load) per update; the last update's
         st.per_engine = [0] * len(engines)
 
     async def run(self, stop: asyncio.Event) -> ActorState:
@@ -344,7 +345,12 @@ class Actor:
             stats, pause_s = await update_weights(self.engines, version, self.cfg.actor.recompute_kv,
                                                   self.cfg.sync.timeout_s)
             self.st.version, self.st.updates = version, self.st.updates + 1
-            self.updates_window.append((pause_s, max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
+            wire_load = (max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats))
+            self.updates_window.append((pause_s, *wire_load))
+            stall = [s["prev_stall_s"] for s in stats if s["prev_stall_s"] is not None]  # the previous update's
+            if stall and self.last_wire_load:
+                self.stalls_window.append((max(stall), sum(self.last_wire_load)))
+            self.last_wire_load = wire_load
             if self.cfg.actor.schedule == "conventional":
                 self.st.started, self.st.dropped_at_update = 0, self.st.dropped
         self.wake.set()
@@ -436,6 +442,7 @@ class Actor:
         self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")
         self.store.set(f"started/{self.proc}", str(st.started_total))
         w, dt, u = st.window, now - self.last_log, np.array(self.updates_window).reshape(-1, 3)
+        g = np.array(self.stalls_window).reshape(-1, 2)
         log("actor", {"tokens_per_s": w.get("tokens", 0) / dt, "samples_per_s": w.get("samples", 0) / dt,
                       "engine_tokens_per_s": w.get("engine_tokens", 0) / dt, "inflight": st.inflight,
                       "version": st.version, "updates": st.updates, "lag_min": w.get("lag_min", 0),
@@ -444,9 +451,13 @@ class Actor:
                       "pause_s_max": float(u[:, 0].max()) if len(u) else 0.0,
                       "update_wire_s": float(u[:, 1].mean()) if len(u) else 0.0,
                       "update_load_s": float(u[:, 2].mean()) if len(u) else 0.0,
+                      # the engine's own gap between decode steps around an update, and its wire + load
+                      "update_stall_s": float(g[:, 0].mean()) if len(g) else None,
+                      "update_stall_wire_load_s": float(g[:, 1].mean()) if len(g) else None,
                       "admission_blocked_s": st.blocked_s - self.blocked_at_log, "started": st.started_total,
                       "pushed": st.pushed, "dropped": st.dropped}, step=st.version)
-        st.window, self.updates_window, self.blocked_at_log, self.last_log = {}, [], st.blocked_s, now
+        st.window, self.updates_window, self.stalls_window = {}, [], []
+        self.blocked_at_log, self.last_log = st.blocked_s, now
 
 
 async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0, st: ActorState = None):

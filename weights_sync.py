@@ -375,13 +375,33 @@ class WeightUpdateExtension:
         self._ws_pg = init_group(create_store(host, port, False, timeout_s), rank, world_size, backend, timeout_s)
         self._ws_device = torch.device("cpu") if self._ws_pg.name() == "gloo" else self.device
         self._ws_buffers = {} if self._ws_device.type == "cpu" else None  # one model copy of RAM on CPU
-        self._ws_stats = {}
+        self._ws_stats, self._ws_last_step, self._ws_gap_from, self._ws_stall = {}, None, None, None
+        for name in ("execute_model", "sample_tokens"):  # vLLM calls them by name: getattr(worker, name)
+            if callable(getattr(self, name, None)):
+                setattr(self, name, self._ws_timed(getattr(self, name)))
         return rank
+
+    def _ws_timed(self, method):
+        """`method` timed, for the stall an update puts on generation: the gap from the end of the last
+        decode step before a receive to the start of the first one after it (reported with the next update)."""
+        def timed(*args, **kwargs):
+            if self._ws_gap_from is not None:  # the first step after an update
+                self._ws_stall, self._ws_gap_from = time.perf_counter() - self._ws_gap_from, None
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._ws_last_step = time.perf_counter()
+        return timed
 
     def receive_weights(self) -> dict:
         """One update: header, manifest check (before any weight changes), buckets -> reload_weights.
-        -> {version, seconds, bytes, wire_s, load_s} (also kept for `weight_sync_stats`)."""
+        -> {version, seconds, bytes, wire_s, load_s, prev_stall_s} (also kept for `weight_sync_stats`);
+        prev_stall_s: the previous update's gap between decode steps, None where the engine was idle (no
+        step in the second before it: decode steps take milliseconds) or not yet decoding again."""
         t0 = time.perf_counter()
+        prev_stall, self._ws_stall = self._ws_stall, None
+        busy = self._ws_last_step is not None and t0 - self._ws_last_step < 1.0
+        self._ws_gap_from = self._ws_last_step if busy else None
         header = receive_header(self._ws_pg, self._ws_device)
         try:
             check_manifest(header, self._ws_expected)
@@ -396,11 +416,13 @@ class WeightUpdateExtension:
         self._ws_header = header
         seconds = time.perf_counter() - t0
         self._ws_stats = {"version": header["version"], "seconds": seconds, "bytes": sum(header["buckets"]),
-                          "wire_s": t_header + stats["wait_s"], "load_s": seconds - t_header - stats["wait_s"]}
+                          "wire_s": t_header + stats["wait_s"], "load_s": seconds - t_header - stats["wait_s"],
+                          "prev_stall_s": prev_stall}
         return self._ws_stats
 
     def weight_sync_stats(self) -> dict:
-        return self._ws_stats
+        """The last update's stats, with `stall_s` (its gap between decode steps) once the engine decoded again."""
+        return dict(self._ws_stats, stall_s=self._ws_stall)
 
     def received_digests(self) -> dict:
         """name -> sha256 of the bytes the last update delivered (CPU receive buffers): what a test or a

@@ -10,7 +10,9 @@ Per run:
   evaluation tokens) where the run logs it, else actor/tokens_per_s (training tokens only), averaged over
   the actor's records between the trainer's first and last step; with --alone, its ratio to the same engine measured alone (bench/bench_engine_util.py or
   bench/bench_actor_alone.py);
-- update stall per update (actor/pause_s_mean) vs its wire + load (actor/update_wire_s, update_load_s);
+- update stall per update vs its wire + load (actor/update_wire_s, update_load_s): as the actor's front-end
+  sees it (actor/pause_s_mean: pause call to resume reply) and as the engine does (actor/update_stall_s:
+  the gap between the decode steps around an update, timed in the vLLM worker);
 - time to target: training time (from the first step's start) until three consecutive evaluations
   average >= the warm start (the v0 evaluation) + --gain.
 """
@@ -62,8 +64,13 @@ def figures(run_dir, gain=0.25, alone=None):
         out["pause_ms_median"] = round(1e3 * float(np.median(pauses)), 1)
     wl = [(r["actor/pause_s_mean"], r["actor/update_wire_s"] + r["actor/update_load_s"]) for r in inside
           if r.get("actor/pause_s_mean") and r.get("actor/update_wire_s") is not None and "actor/update_load_s" in r]
-    if wl:
-        out["stall_over_wire_load"] = round(float(np.median([p / max(w, 1e-9) for p, w in wl])), 2)
+    if wl:  # the front-end's view: pause call to resume reply (includes its own scheduling delays)
+        out["pause_over_wire_load"] = round(float(np.median([p / max(w, 1e-9) for p, w in wl])), 2)
+    g = [(r["actor/update_stall_s"], r["actor/update_stall_wire_load_s"]) for r in inside
+         if r.get("actor/update_stall_s") is not None]
+    if g:  # the engine's view: the gap between its decode steps around an update
+        out["engine_stall_ms_median"] = round(1e3 * float(np.median([s for s, _ in g])), 1)
+        out["engine_stall_over_wire_load"] = round(float(np.median([s / max(w, 1e-9) for s, w in g])), 2)
     if evals and evals[0]["version"] == 0:
         start = evals[0]["test_reward"]
         out["warm_start"] = round(start, 3)

@@ -24,6 +24,7 @@ policy existed); version 0 at zero.
 """
 import argparse
 import math
+import re
 import sys
 import warnings
 from collections import OrderedDict
@@ -464,6 +465,19 @@ def summarize(groups, target=None, k=1) -> str:
     return "\n".join(lines) + "\n"
 
 
+def print_best_conventional(runs, target=None, k=1):
+    """scripts/reproduce.sh's choice between its tuning runs: mean time to the target every run reached."""
+    target, _ = choose_target(runs, target, k)
+    times = {}
+    for r in runs:
+        hit = r.first_reaching(target, k) if r.schedule == "conventional" and target is not None else None
+        if hit is not None:
+            times.setdefault(re.sub(r"-s\d+$", "", r.path.name), []).append(hit[0])
+    if not times:
+        sys.exit("[plot] no conventional run reached the target")
+    print(min(times, key=lambda name: np.mean(times[name])))
+
+
 # --- main --------------------------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -475,7 +489,11 @@ def main(argv=None):
     ap.add_argument("--smooth", type=int, default=1, help="moving average over this many test evaluations for the "
                                                           "time-to-target (default 1: as measured)")
     ap.add_argument("--smooth-train", type=int, default=5, help="moving average (steps) for train reward and ESS")
+    ap.add_argument("--best-conventional", action="store_true", help="print the run-directory name (without "
+                    "-s<seed>) of the conventional setting that reached the common target first, and exit")
     args = ap.parse_args(argv)
+    if args.best_conventional:
+        return print_best_conventional(load_runs(args.runs), args.target, args.smooth)
     import matplotlib
     matplotlib.use("Agg")
     runs = load_runs(args.runs)

@@ -6,26 +6,26 @@
 #                             [--root RUNS_DIR] [--out FIGURES_DIR]
 #
 # The matrix (same trainer.batch_size B and trainer.lr, same seeds, one run at a time):
-#   pipeline-H64, -H128        PipelineRL, actor.max_inflight=64 (the default) and 128: actor core 0, trainer core 1
-#   conventional-G{2,4,8}      conventional RL (configs/conventional.yaml): G_steps optimizer steps per RL step,
-#                              actor.max_lag=G-1; generation and training take turns, so each gets both
-#                              cores: actor.cpu_cores=0-1 trainer.cpu_cores=0-1
-#   pipeline-H16               PipelineRL at a third max_inflight value (the trade-off of Fig. 3b), 1 seed
-#   pipeline-H64-recompute     PipelineRL with actor.recompute_kv=true (Fig. 7), 1 seed
-# The main settings (pipeline-H64, -H128, conventional-G*) get every seed of --seeds (default 0 1); the others
-# the first seed only. H=128 is a main setting because it was the fastest PipelineRL setting on 2 cores.
+#   pipeline-H256              PipelineRL at the default (actor.max_inflight=256): engine on core 0, trainer core 1
+#   pipeline-H64               PipelineRL at H=64 (the trade-off of Fig. 3b), first seed only
+#   conventional-G{2,4,8}-H{64,256}
+#                              conventional RL (configs/conventional.yaml): G_steps optimizer steps per RL step,
+#                              actor.max_lag=G-1, actor.max_inflight=H; generation and training take turns, so
+#                              each gets both cores: actor.cpu_cores=0-1 trainer.cpu_cores=0-1
+# Pass 1 runs every setting at the first seed of --seeds (default "0 1 2"). The conventional setting that
+# reached pass 1's common target first is "best conventional" (scripts/plot.py --best-conventional); pass 2
+# runs it and pipeline-H256 at the other seeds. The tuning runs are one seed each: they choose, the two
+# main settings are compared.
 #
 # Budget: every run gets the same wall-clock budget (--run-s, default 300 s including the ~40 s start-up of
 # vLLM and the trainer), so the curves of Fig. 5a cover the same time; trainer.max_steps (--steps, default
-# 1000) is only a cap. 12 runs x ~5 min ~= 60 min on 2 cores: that is 2 seeds per main setting, not more;
-# 3 seeds need ~85 min (pass --seeds "0 1 2"). At this budget the tiny model gains roughly 10-25
-# points of test reward, so the default target of plot.py (0.6) may be lowered to what every run reached
-# (summary.md says which). --quick: PipelineRL H=64 and conventional G=4, seed 0, 90 s each (~4 min).
+# 1000) is only a cap. 8 + 4 runs x ~5 min ~= 62 min on 2 cores. --quick: PipelineRL H=256 and conventional
+# G=4 H=256, seed 0, 90 s each (~4 min).
 #
 # Existing run directories are kept (skipped, and plotted with the others) unless --force, which deletes
 # them first. Runs go to --root/<name>-s<seed> (default runs/repro; --quick: runs/repro-quick); figures
 # and summary.md to --out (default docs/figures; --quick: <root>/figures).
-# --dry-run prints the run.sh commands and exits.
+# --dry-run prints the run.sh commands and exits (pass 2 as "best conventional" placeholders).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"; [[ -x "$PY" ]] || PY=python3
@@ -54,23 +54,19 @@ if (( QUICK )); then
   ROOT="${ROOT:-runs/repro-quick}"; FIG="${OUT:-$ROOT/figures}"
   RUN_S="${RUN_S:-90}"; STEPS="${STEPS:-1000}"; SEEDS="${SEEDS:-0}"
   COMMON+=("actor.eval_every=4" "data.test_size=100")   # a few evaluations within ~50 s of training
-  MAIN=("pipeline-H64|actor.max_inflight=64" "conventional-G4|${CONV[*]} actor.G_steps=4 actor.max_lag=3")
-  EXTRA=()
+  PIPE="pipeline-H256|actor.max_inflight=256"
+  TUNE=("conventional-G4-H256|${CONV[*]} actor.G_steps=4 actor.max_lag=3 actor.max_inflight=256")
 else
   ROOT="${ROOT:-runs/repro}"; FIG="${OUT:-docs/figures}"
-  RUN_S="${RUN_S:-300}"; STEPS="${STEPS:-1000}"; SEEDS="${SEEDS:-0 1}"
+  RUN_S="${RUN_S:-300}"; STEPS="${STEPS:-1000}"; SEEDS="${SEEDS:-0 1 2}"
   COMMON+=("actor.eval_every=16")   # a multiple of every G: conventional runs evaluate at the same versions
-  MAIN=("pipeline-H64|actor.max_inflight=64" "pipeline-H128|actor.max_inflight=128")
-  for G in 2 4 8; do MAIN+=("conventional-G$G|${CONV[*]} actor.G_steps=$G actor.max_lag=$((G - 1))"); done
-  EXTRA=("pipeline-H16|actor.max_inflight=16" "pipeline-H64-recompute|actor.max_inflight=64 actor.recompute_kv=true")
+  PIPE="pipeline-H256|actor.max_inflight=256"
+  TUNE=("pipeline-H64|actor.max_inflight=64")
+  for G in 2 4 8; do for H in 64 256; do
+    TUNE+=("conventional-G$G-H$H|${CONV[*]} actor.G_steps=$G actor.max_lag=$((G - 1)) actor.max_inflight=$H")
+  done; done
 fi
 read -r -a SEED_LIST <<< "$SEEDS"
-
-# name|overrides|seed: every setting at the first seed first (an interrupted matrix still has them all),
-# then the main settings at the other seeds.
-RUNS=()
-for s in "${MAIN[@]}" ${EXTRA[@]+"${EXTRA[@]}"}; do RUNS+=("$s|${SEED_LIST[0]}"); done
-for seed in "${SEED_LIST[@]:1}"; do for s in "${MAIN[@]}"; do RUNS+=("$s|$seed"); done; done
 
 command_for() {  # name|overrides|seed -> the run.sh arguments, one per line
   local name overrides seed
@@ -81,12 +77,17 @@ command_for() {  # name|overrides|seed -> the run.sh arguments, one per line
 }
 
 if (( DRY )); then
-  echo "# $((${#RUNS[@]})) runs, one at a time, each stopped after ${RUN_S} s (timeout -s TERM) or trainer.max_steps"
-  for r in "${RUNS[@]}"; do
-    mapfile -t args < <(command_for "$r")
+  echo "# pass 1: $((1 + ${#TUNE[@]})) runs, one at a time, each stopped after ${RUN_S} s (timeout -s TERM) or trainer.max_steps"
+  for s in "$PIPE" "${TUNE[@]}"; do
+    mapfile -t args < <(command_for "$s|${SEED_LIST[0]}")
     echo "bash run.sh ${args[*]}"
   done
-  echo "# then: $PY scripts/plot.py $ROOT/* --out $FIG"
+  for seed in "${SEED_LIST[@]:1}"; do
+    echo "# pass 2, seed $seed: pipeline-H256 and the best conventional setting of pass 1"
+    mapfile -t args < <(command_for "$PIPE|$seed")
+    echo "bash run.sh ${args[*]}"
+  done
+  echo "# then: $PY scripts/plot.py $ROOT/*/ --out $FIG"
   exit 0
 fi
 
@@ -100,11 +101,12 @@ on_signal() {
   wait; exit 130
 }
 trap on_signal INT TERM
-for r in "${RUNS[@]}"; do
+run_one() {  # name|overrides|seed
+  local r=$1 dir rc args
   mapfile -t args < <(command_for "$r")
   dir="${args[-1]#run.dir=}"
   if [[ -e "$dir" ]]; then
-    if (( FORCE )); then rm -rf -- "$dir"; else echo "[reproduce] $dir exists: kept (--force to redo)"; continue; fi
+    if (( FORCE )); then rm -rf -- "$dir"; else echo "[reproduce] $dir exists: kept (--force to redo)"; return; fi
   fi
   echo "[reproduce] $(date +%H:%M:%S) bash run.sh ${args[*]}   (budget ${RUN_S} s)"
   mkdir -p "$dir"
@@ -122,7 +124,18 @@ for r in "${RUNS[@]}"; do
     failed+=("$dir")
   fi
   sleep "${REPRO_GAP_S:-2}"   # let the ports of the stopped roles close before the next run binds them
-done
+}
+
+# Pass 1: every setting at the first seed. Pass 2: the two main settings at the other seeds.
+for s in "$PIPE" "${TUNE[@]}"; do run_one "$s|${SEED_LIST[0]}"; done
+if (( ${#SEED_LIST[@]} > 1 )); then
+  best=$("$PY" scripts/plot.py "$ROOT"/*-s"${SEED_LIST[0]}"/ --best-conventional) || best=""
+  echo "[reproduce] best conventional setting at seed ${SEED_LIST[0]}: ${best:-none reached the target}"
+  for seed in "${SEED_LIST[@]:1}"; do
+    run_one "$PIPE|$seed"
+    for s in "${TUNE[@]}"; do if [[ "${s%%|*}" == "$best" ]]; then run_one "$s|$seed"; fi; done
+  done
+fi
 echo "[reproduce] all runs done in $(( (SECONDS - t_all) / 60 )) min; plotting"
 "$PY" scripts/plot.py "$ROOT"/*/ --out "$FIG"
 if (( ${#failed[@]} )); then echo "[reproduce] failed runs: ${failed[*]}" >&2; exit 1; fi

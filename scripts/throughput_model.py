@@ -152,7 +152,7 @@ def n_cores(spec: str) -> int:
 
 def setting_label(a: dict) -> str:
     if a["schedule"] == "conventional":
-        return f"Conventional G={a['G_steps']}"
+        return f"Conventional G={a['G_steps']}, H={a['max_inflight']}"
     return f"PipelineRL H={a['max_inflight']}" + (", recomputed KV" if a["recompute_kv"] else "")
 
 

@@ -175,6 +175,10 @@ def test_switch_in_flight(env, recompute_kv):
         switch_at.add(k)
     if not recompute_kv:  # all sequences sit in one batch: the update lands between the same two steps
         assert len(switch_at) == 1, switch_at
+    # The worker timed the gap between its decode steps around the update (actor/update_stall_s): it
+    # holds the whole receive (steps and the receive run one after another in the worker).
+    stats = env["loop"].run_until_complete(engine.collective_rpc("weight_sync_stats"))[0]
+    assert stats["version"] == v_b and stats["stall_s"] is not None and stats["stall_s"] >= stats["seconds"]
     print(f"recompute_kv={recompute_kv}: switch at {sorted(switch_at)}, pause {pause_s * 1e3:.0f} ms")
 
 

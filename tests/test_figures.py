@@ -71,8 +71,9 @@ def synthetic(tmp_path_factory):
     """PipelineRL H=64 reaches 0.6 at 45 s (seed 0) and 55 s (seed 1): 50 s on average; recomputed KV at 60 s;
     conventional G=4 at 100 s (the best conventional), G=2 at 150 s. So: 2.00x and 1.67x."""
     root = tmp_path_factory.mktemp("runs")
-    dirs = [make_run(root, "pipe-s0", ["run.seed=0"], 2.25), make_run(root, "pipe-s1", ["run.seed=1"], 2.75),
-            make_run(root, "pipe-recompute-s0", ["actor.recompute_kv=true"], 3.0, kl_scale=0.5),
+    H = "actor.max_inflight=64"
+    dirs = [make_run(root, "pipe-s0", ["run.seed=0", H], 2.25), make_run(root, "pipe-s1", ["run.seed=1", H], 2.75),
+            make_run(root, "pipe-recompute-s0", ["actor.recompute_kv=true", H], 3.0, kl_scale=0.5),
             make_run(root, "conv-G4-s0", CONV + ["actor.G_steps=4", "actor.max_lag=3"], 5.0, kl_scale=10),
             make_run(root, "conv-G2-s0", CONV + ["actor.G_steps=2", "actor.max_lag=1"], 7.5, kl_scale=10)]
     out = root / "figures"
@@ -221,7 +222,7 @@ def test_reproduce_matrix():
     seen = {}
     for c in cfgs:
         a, t = c["actor"], c["trainer"]
-        name = f"conv-G{a['G_steps']}" if a["schedule"] == "conventional" else \
+        name = f"conv-G{a['G_steps']}-H{a['max_inflight']}" if a["schedule"] == "conventional" else \
             f"pipe-H{a['max_inflight']}" + ("-recompute" if a["recompute_kv"] else "")
         seen.setdefault(name, set()).add(c["run"]["seed"])
         assert (t["batch_size"], t["lr"]) == (128, 1e-4)  # the same B and lr everywhere
@@ -230,13 +231,29 @@ def test_reproduce_matrix():
             assert a["max_lag"] >= a["G_steps"] - 1
         else:
             assert {a["cpu_cores"], t["cpu_cores"]} == {"0", "1"}  # the same 2 cores, split
-    assert seen == {"pipe-H64": {0, 1}, "conv-G2": {0, 1}, "conv-G4": {0, 1}, "conv-G8": {0, 1},
-                    "pipe-H128": {0, 1}, "pipe-H16": {0}, "pipe-H64-recompute": {0}}
+    # pass 1: every setting at seed 0, conventional tuned over G and H; pass 2 (the dry run cannot know the best
+    # conventional setting yet): the default PipelineRL setting at the other seeds
+    assert seen == {"pipe-H256": {0, 1, 2}, "pipe-H64": {0}, **{f"conv-G{G}-H{H}": {0} for G in (2, 4, 8)
+                                                              for H in (64, 256)}}
+    assert cfgs[0]["actor"]["max_inflight"] == common.DEFAULTS["actor"]["max_inflight"]  # the default is compared
     dirs = [c["run"]["dir"] for c in cfgs]
     assert len(set(dirs)) == len(dirs) and all(d.startswith("runs/repro/") for d in dirs)
     quick = checked(dry_run("--quick"))
     settings = sorted((c["actor"]["schedule"], c["actor"]["G_steps"]) for c in quick)
     assert settings == [("conventional", 4), ("pipeline", 1)]
+
+
+def test_best_conventional_is_the_fastest_to_the_common_target(tmp_path, capsys):
+    """plot.py --best-conventional (reproduce.sh's choice for pass 2): the conventional run directory, less its
+    -s<seed>, that reached the target every run reached soonest; PipelineRL runs are never chosen."""
+    make_run(tmp_path, "pipeline-H256-s0", ["actor.max_inflight=256"], 0.5)
+    make_run(tmp_path, "conventional-G2-H64-s0", CONV + ["actor.G_steps=2", "actor.max_lag=1"], 3.0)
+    make_run(tmp_path, "conventional-G4-H256-s0", CONV + ["actor.G_steps=4", "actor.max_lag=3",
+                                                          "actor.max_inflight=256"], 2.0)
+    make_run(tmp_path, "conventional-G8-H64-s0", CONV + ["actor.G_steps=8", "actor.max_lag=7"], 1.0,
+             reward_at_reach=0.5)  # fastest per step, but never reaches 0.6 (the others' target)
+    plot.main([str(p) for p in sorted(tmp_path.iterdir())] + ["--best-conventional", "--target", "0.6"])
+    assert capsys.readouterr().out.strip() == "conventional-G4-H256"
 
 
 def test_reproduce_keeps_existing_runs_and_plots_them(tmp_path):
@@ -271,7 +288,7 @@ while true; do sleep 0.1; done
                          cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     runs = sorted((tmp_path / "r").iterdir())
-    assert [d.name for d in runs] == ["conventional-G4-s0", "pipeline-H64-s0"]
+    assert [d.name for d in runs] == ["conventional-G4-H256-s0", "pipeline-H256-s0"]
     assert all((d / "stopped").read_text() == "stopped\n" for d in runs)
     assert out.stdout.count("last: step    1 | fake") == 2
 
@@ -284,7 +301,7 @@ def test_throughput_model_cli_predicts_every_reproduce_setting(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "speed-up 1.57x" in out
     rows = {line[:32].strip(): line[32:].split() for line in out.splitlines() if line.startswith(("Pipe", "Conv"))}
-    assert set(rows) == {"PipelineRL H=16", "PipelineRL H=64", "PipelineRL H=128", "PipelineRL H=64, recomputed KV",
-                         "Conventional G=2", "Conventional G=4", "Conventional G=8"}
+    assert set(rows) == {"PipelineRL H=256", "PipelineRL H=64",
+                         *(f"Conventional G={G}, H={H}" for G in (2, 4, 8) for H in (64, 256))}
     # H=64 on 1 core: min(U(64)=1, 1/tau=0.5) * 6400 / 10 tokens = 320 samples/s
     assert rows["PipelineRL H=64"][0] == "320.0"
