@@ -90,14 +90,16 @@ def start_engines(cfg, proc_index: int = 0) -> list:
         # The engine core and its worker process inherit this affinity at spawn: both on actor.cpu_cores.
         # They take turns step by step, and the engine core busy-waits on the worker's shared-memory
         # queue (vLLM spins for 1 s after each read), which on a core of its own burns that core. This
-        # process (request intake, output processing, the actor loop) then runs on any core (issue 12).
+        # process (request intake, output processing, the actor loop) then moves to the other cores, if
+        # there are any: on the engine's core it would take turns with the decode steps (issue 12).
         allowed = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, {c for part in cfg.actor.cpu_cores.split(",") for a, _, b in [part.partition("-")]
-                                 for c in range(int(a), int(b or a) + 1)})
+        engine_cores = {c for part in cfg.actor.cpu_cores.split(",") for a, _, b in [part.partition("-")]
+                        for c in range(int(a), int(b or a) + 1)}
+        os.sched_setaffinity(0, engine_cores)
         try:
             return [AsyncLLM.from_engine_args(engine_args(cfg, proc_index)) for _ in range(cfg.actor.engines)]
         finally:
-            os.sched_setaffinity(0, allowed)
+            os.sched_setaffinity(0, (allowed - engine_cores) or allowed)
     import torch
     before = os.environ.get("CUDA_VISIBLE_DEVICES")  # physical ids (run.sh passes them as actor.gpus too)
     gpus = (cfg.actor.gpus or before or ",".join(map(str, range(torch.cuda.device_count())))).split(",")

@@ -100,8 +100,8 @@ launch() {  # launch ROLE CORES GPUS command...
   local role=$1 cores=$2 gpus=$3; shift 3
   local pin=()
   # CPU: pin the role to its cores. The actor pins its vLLM engine processes itself (actor.start_engines:
-  # engine core and worker on actor.cpu_cores); its front-end (request intake, output processing, the
-  # actor loop), Python that would take a share of the compute core, runs wherever a core is free.
+  # engine core and worker on actor.cpu_cores) and moves its front-end (request intake, output processing,
+  # the actor loop) to the other cores, where it would otherwise take turns with the decode steps.
   if [[ -z "$gpus" && -n "$cores" && "$role" != actor ]]; then pin=(taskset -c "$cores"); fi
   local threads; threads=$(cores_count "${cores:-0}")
   # gpus is the role's resolved set on a GPU node (never empty for actor/trainer there: launch.device_sets),
