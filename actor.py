@@ -379,6 +379,8 @@ class Actor:
         """Start groups while there are free slots (H per engine) and the lag budget allows (`admit`).
         -> whether the budget, not capacity, held a slot empty."""
         cfg, st, now, blocked = self.cfg, self.st, time.time(), False
+        if cfg.actor.schedule == "conventional" and self.updating is not None and not self.updating.done():
+            return False  # one policy per RL step: nothing starts while the weights change
         while st.inflight + cfg.actor.group_size <= cfg.actor.max_inflight * len(self.engines):
             if not admit(cfg, st, cfg.actor_procs):
                 if now - self.drops_checked > 0.05:  # budget spent: samples given back since we last looked?

@@ -544,10 +544,8 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
     push.close()
 
 
-def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_path):
-    """main(): the second batch's advantages (3e38) overflow the gradient, so step 2 is skipped and its
-    (unchanged) weights are not broadcast: the actor receives versions 0, 1, 3. A sample with a NaN
-    advantage is dropped as malformed and counted (the wire format refuses non-finite numbers)."""
+def _model_and_verifier(tmp_path):
+    """A tiny model directory, two free ports and the verifier's bound PUSH socket (with its stop event)."""
     import zmq
     model_dir = tmp_path / "model"
     tiny_model().save_pretrained(model_dir)
@@ -555,17 +553,30 @@ def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_pa
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.bind(f"tcp://127.0.0.1:{samples_port}")
-    stop, actor = threading.Event(), {}
+    return model_dir, samples_port, sync_port, push, threading.Event()
+
+
+def _push_samples(push, stop, advantage_of):
+    """Push samples 0, 1, ... (sample i with advantage advantage_of(i); None: the default) until `stop`."""
+    import zmq
+    i = 0
+    while not stop.is_set():
+        try:
+            push.send_multipart(_sample_frames(i, 0, advantage=advantage_of(i)), flags=zmq.NOBLOCK)
+            i += 1
+        except zmq.Again:
+            time.sleep(0.05)
+
+
+def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_path):
+    """main(): the second batch's advantages (3e38) overflow the gradient, so step 2 is skipped and its
+    (unchanged) weights are not broadcast: the actor receives versions 0, 1, 3. A sample with a NaN
+    advantage is dropped as malformed and counted (the wire format refuses non-finite numbers)."""
+    model_dir, samples_port, sync_port, push, stop = _model_and_verifier(tmp_path)
+    actor = {}
 
     def verifier():
-        i = 0
-        while not stop.is_set():
-            advantage = 3e38 if 4 <= i < 8 else float("nan") if i == 9 else None
-            try:
-                push.send_multipart(_sample_frames(i, 0, advantage=advantage), flags=zmq.NOBLOCK)
-                i += 1
-            except zmq.Again:
-                time.sleep(0.05)
+        _push_samples(push, stop, lambda i: 3e38 if 4 <= i < 8 else float("nan") if i == 9 else None)
 
     proc = _launch(tmp_path, model_dir, 1, sync_port, samples_port, "trainer.max_steps=3", "sync.async_send=false")
     threads = [threading.Thread(target=_fake_actor, args=(sync_port, 3, actor), daemon=True),
@@ -594,23 +605,10 @@ def _dying_actor(sync_port):
 def test_dead_receiver_stops_the_trainer_with_a_clear_error(tmp_path):
     """sync.async_send: the broadcast thread's failure (its receiver died) stops the training loop at its next
     send, non-zero and naming the weight broadcast, instead of hanging."""
-    import zmq
-    model_dir = tmp_path / "model"
-    tiny_model().save_pretrained(model_dir)
-    samples_port, sync_port = free_port(), free_port()
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.bind(f"tcp://127.0.0.1:{samples_port}")
-    stop = threading.Event()
+    model_dir, samples_port, sync_port, push, stop = _model_and_verifier(tmp_path)
 
     def verifier():
-        i = 0
-        while not stop.is_set():
-            try:
-                push.send_multipart(_sample_frames(i, 0), flags=zmq.NOBLOCK)
-                i += 1
-            except zmq.Again:
-                time.sleep(0.05)
+        _push_samples(push, stop, lambda i: None)
 
     proc = _launch(tmp_path, model_dir, 1, sync_port, samples_port, "trainer.max_steps=200", "sync.timeout_s=30")
     dying = mp.get_context("spawn").Process(target=_dying_actor, args=(sync_port,))
