@@ -93,8 +93,7 @@ def start_engines(cfg, proc_index: int = 0) -> list:
         # process (request intake, output processing, the actor loop) then moves to the other cores, if
         # there are any: on the engine's core it would take turns with the decode steps (issue 12).
         allowed = os.sched_getaffinity(0)
-        engine_cores = {c for part in cfg.actor.cpu_cores.split(",") for a, _, b in [part.partition("-")]
-                        for c in range(int(a), int(b or a) + 1)}
+        engine_cores = common.cpu_set(cfg.actor.cpu_cores)
         os.sched_setaffinity(0, engine_cores)
         try:
             return [AsyncLLM.from_engine_args(engine_args(cfg, proc_index)) for _ in range(cfg.actor.engines)]
@@ -279,7 +278,7 @@ class Actor:
         self.params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
         self.wake, self.tasks, self.eval_task, self.last_eval, self.updating = asyncio.Event(), set(), None, None, None
         self.updates_window, self.last_log, self.blocked_at_log, self.drops_checked = [], time.time(), 0.0, 0.0
-        self.stalls_window, self.last_wire_load = [], None  # (stall, wire + load) per update; the last update's
+        self.stalls_window = []  # (the engine's stall, wire + load) per update
         st.per_engine = [0] * len(engines)
 
     async def run(self, stop: asyncio.Event) -> ActorState:
@@ -347,12 +346,11 @@ class Actor:
             stats, pause_s = await update_weights(self.engines, version, self.cfg.actor.recompute_kv,
                                                   self.cfg.sync.timeout_s)
             self.st.version, self.st.updates = version, self.st.updates + 1
-            wire_load = (max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats))
-            self.updates_window.append((pause_s, *wire_load))
-            stall = [s["prev_stall_s"] for s in stats if s["prev_stall_s"] is not None]  # the previous update's
-            if stall and self.last_wire_load:
-                self.stalls_window.append((max(stall), sum(self.last_wire_load)))
-            self.last_wire_load = wire_load
+            self.updates_window.append((pause_s, max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
+            stalls = [(s["prev_stall_s"], s["prev_wire_load_s"]) for s in stats  # the previous update's
+                      if s["prev_stall_s"] is not None and s["prev_wire_load_s"] is not None]
+            if stalls:
+                self.stalls_window.append(max(stalls))
             if self.cfg.actor.schedule == "conventional":
                 self.st.started, self.st.dropped_at_update = 0, self.st.dropped
         self.wake.set()

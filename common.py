@@ -328,6 +328,12 @@ def zmq_addr(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+def cpu_set(spec: str) -> set:
+    """A taskset-style core list ("0", "0-1", "0,2-3") -> the set of core ids."""
+    return {c for part in spec.split(",") if part for a, _, b in [part.partition("-")]
+            for c in range(int(a), int(b or a) + 1)}
+
+
 # --- metrics ------------------------------------------------------------------------------------------
 
 _log_state = {}

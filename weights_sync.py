@@ -395,11 +395,13 @@ class WeightUpdateExtension:
 
     def receive_weights(self) -> dict:
         """One update: header, manifest check (before any weight changes), buckets -> reload_weights.
-        -> {version, seconds, bytes, wire_s, load_s, prev_stall_s} (also kept for `weight_sync_stats`);
-        prev_stall_s: the previous update's gap between decode steps, None where the engine was idle (no
-        step in the second before it: decode steps take milliseconds) or not yet decoding again."""
+        -> {version, seconds, bytes, wire_s, load_s, prev_stall_s, prev_wire_load_s} (also kept for
+        `weight_sync_stats`); prev_stall_s: the previous update's gap between decode steps (None where the
+        engine was idle: no step in the second before it, decode steps take milliseconds; or not yet decoding
+        again), prev_wire_load_s: that update's wire + load."""
         t0 = time.perf_counter()
         prev_stall, self._ws_stall = self._ws_stall, None
+        prev = self._ws_stats
         busy = self._ws_last_step is not None and t0 - self._ws_last_step < 1.0
         self._ws_gap_from = self._ws_last_step if busy else None
         header = receive_header(self._ws_pg, self._ws_device)
@@ -417,7 +419,8 @@ class WeightUpdateExtension:
         seconds = time.perf_counter() - t0
         self._ws_stats = {"version": header["version"], "seconds": seconds, "bytes": sum(header["buckets"]),
                           "wire_s": t_header + stats["wait_s"], "load_s": seconds - t_header - stats["wait_s"],
-                          "prev_stall_s": prev_stall}
+                          "prev_stall_s": prev_stall,
+                          "prev_wire_load_s": prev["wire_s"] + prev["load_s"] if prev else None}
         return self._ws_stats
 
     def weight_sync_stats(self) -> dict:

@@ -26,11 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
-
-def cores_list(spec):
-    return [c for part in spec.split(",") if part for a, _, b in [part.partition("-")]
-            for c in range(int(a), int(b or a) + 1)]
+import common  # noqa: E402
 
 
 def measure_generation(llm, prompts, batches, tokens, repeats):
@@ -99,7 +95,7 @@ def main():
     args = ap.parse_args()
 
     import torch
-    cores = cores_list(args.cores)
+    cores = sorted(common.cpu_set(args.cores))
     on_gpu = torch.cuda.is_available()
     if not on_gpu:  # one OMP thread per listed core for the engine; the same cores for this process
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cores

@@ -46,6 +46,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+import common  # noqa: E402
 
 PAPER_TAU = 4.4  # fitted: see the docstring
 PAPER_H_GRID = (64, 128, 192, 256, 320, 384, 448, 512)
@@ -146,8 +147,7 @@ def case_study(N=128, B=128, L=1000, tau=PAPER_TAU, max_lag=133, U=paper_U):
 # --- this project's settings ------------------------------------------------------------------------------------
 
 def n_cores(spec: str) -> int:
-    return sum(len(range(int(a), int(b or a) + 1)) for part in spec.split(",") if part
-               for a, _, b in [part.partition("-")])
+    return len(common.cpu_set(spec))
 
 
 def setting_label(a: dict) -> str:
@@ -158,7 +158,6 @@ def setting_label(a: dict) -> str:
 
 def reproduce_settings() -> list:
     """The settings scripts/reproduce.sh runs: its --dry-run commands, resolved by common.load_config."""
-    import common
     out = subprocess.run(["bash", str(REPO / "scripts/reproduce.sh"), "--dry-run"], capture_output=True, text=True,
                          check=True, cwd=REPO).stdout
     cfgs = []
@@ -178,17 +177,12 @@ def predict(cfg: dict, U: MeasuredU, tau: float, lengths, rng_seed=0) -> float:
         I, T = n_cores(a["cpu_cores"]), n_cores(t["cpu_cores"])
         r = min(I * U(a["max_inflight"] / I), T / tau)  # the engine's H sequences spread over its I cores
     else:
-        N = len({c for spec in (a["cpu_cores"], t["cpu_cores"]) for c in _core_set(spec)})
+        N = len(common.cpu_set(a["cpu_cores"]) | common.cpu_set(t["cpu_cores"]))
         n = t["batch_size"] * a["G_steps"]
         draw = np.random.default_rng(rng_seed).choice(lengths, size=n)  # one RL step's sequences, queue order
         flashes, tokens = t_gen_slots(draw, a["max_inflight"] * a["engines"], N, U)
         r = r_conventional(tokens, flashes, N, tau)
     return r * U.peak_tokens_per_s / Lbar  # tokens/flash -> samples/s
-
-
-def _core_set(spec):
-    return [c for part in spec.split(",") if part for a, _, b in [part.partition("-")]
-            for c in range(int(a), int(b or a) + 1)]
 
 
 def from_runs(run_dirs) -> tuple:
