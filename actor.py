@@ -87,11 +87,13 @@ def start_engines(cfg, proc_index: int = 0) -> list:
     engines = []
     if not _on_gpu():
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores  # one OMP thread per listed core
-        # The engine core and its worker process inherit this affinity at spawn: both on actor.cpu_cores.
-        # They take turns step by step, and the engine core busy-waits on the worker's shared-memory
-        # queue (vLLM spins for 1 s after each read), which on a core of its own burns that core. This
-        # process (request intake, output processing, the actor loop) then moves to the other cores, if
-        # there are any: on the engine's core it would take turns with the decode steps (issue 12).
+        # One engine process, the model running inside it: vLLM on CPU otherwise starts a worker process
+        # beside the engine core (the mp executor), which costs a start-up (~10 s) and, per decode step, a
+        # hand-off over a shared-memory queue on which the engine core busy-waits (bench_actor_alone: 6.3k
+        # -> 6.7k tokens/s). Spawned with this process's affinity: on actor.cpu_cores. This process (request
+        # intake, output processing, the actor loop) then moves to the other cores, if there are any: on
+        # the engine's core it would take turns with the decode steps (issue 12).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # AsyncLLM still runs its engine core apart
         allowed = os.sched_getaffinity(0)
         engine_cores = common.cpu_set(cfg.actor.cpu_cores)
         os.sched_setaffinity(0, engine_cores)

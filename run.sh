@@ -19,8 +19,15 @@ for m in ("torch", "vllm", "transformers", "zmq", "numpy", "yaml", "math_verify"
 import torch, vllm  # noqa: F401  (import vllm fails when torchvision mismatches torch)
 PY
 }
+venv_ok() {
+  # The import check costs ~8 s, on every launch and every test that launches: it runs once per state of .venv
+  # (the requirements files and site-packages, which pip changes on every install or removal), then a stamp stands for it.
+  local key; key="$(cat "$ROOT"/requirements-*.txt | cksum) $(stat -c %Y "$ROOT"/.venv/lib/python3*/site-packages 2>/dev/null)"
+  [[ -f "$ROOT/.venv/deps-ok" && "$(cat "$ROOT/.venv/deps-ok")" == "$key" ]] && return 0
+  have_deps "$ROOT/.venv/bin/python" && echo "$key" > "$ROOT/.venv/deps-ok"
+}
 setup() {
-  if [[ -x "$ROOT/.venv/bin/python" ]] && have_deps "$ROOT/.venv/bin/python"; then PY="$ROOT/.venv/bin/python"; return; fi
+  if [[ -x "$ROOT/.venv/bin/python" ]] && venv_ok; then PY="$ROOT/.venv/bin/python"; return; fi
   if [[ -z "${PIPELINERL_FORCE_VENV:-}" ]] && have_deps "$(command -v python3)"; then PY="$(command -v python3)"; return; fi
   echo "[run.sh] first use: creating .venv and installing pinned requirements (several minutes)..." >&2
   local t0=$SECONDS
@@ -37,7 +44,7 @@ setup() {
     # ("operator torchvision::nms does not exist"); nothing here uses them (DESIGN.md, Known traps).
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
   fi
-  have_deps "$PY" || { echo "[run.sh] set-up failed: '$PY -c \"import vllm\"' does not import; see the pip output above" >&2; exit 1; }
+  venv_ok || { echo "[run.sh] set-up failed: '$PY -c \"import vllm\"' does not import; see the pip output above" >&2; exit 1; }
   echo "[run.sh] set-up done in $((SECONDS - t0)) s" >&2
 }
 setup

