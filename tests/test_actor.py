@@ -602,7 +602,9 @@ def test_actor_process_end_to_end(env, tmp_path):
             evals.append((h, a))
         time.sleep(1.0)  # a metrics line
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert children  # vLLM's engine core (on CPU the model runs inside it)
+        titles = [" ".join(c.cmdline()) for c in children]
+        # vLLM's engine core, with the model inside it on CPU: no worker process beside it (actor.start_engines)
+        assert any("EngineCore" in t for t in titles) and not any("Worker" in t for t in titles), titles
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
