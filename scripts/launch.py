@@ -121,9 +121,12 @@ def check_model(cfg):
             cls is not None and (cls.is_backend_compatible() or cls._can_set_attn_implementation())):
         raise ConfigError(f"model.path: {name!r} ({arch}): vLLM cannot load this architecture; "
                           f"use one in vLLM's list of supported models")
-    remembered.parent.mkdir(parents=True, exist_ok=True)
-    with open(remembered, "a") as f:
-        f.write(key + "\n")
+    try:
+        remembered.parent.mkdir(parents=True, exist_ok=True)
+        with open(remembered, "a") as f:
+            f.write(key + "\n")
+    except OSError:  # a read-only home: check again next time
+        pass
 
 
 def checked_models() -> Path:
