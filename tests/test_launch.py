@@ -92,6 +92,10 @@ def test_shell_hands_every_role_its_resolved_gpus(tmp_path):
     assert shell_values(launch.shell([run], visible=["0", "1"])) == \
         ["0", "1", "verifier trainer actor", "actor.gpus=0 trainer.gpus=1"]
     assert shell_values(launch.shell([run], visible=[])) == ["", "", "verifier trainer actor", ""]
+    threads = subprocess.run(["bash", "-c", launch.shell([run, "trainer.cpu_cores=0-1,3"], visible=[])
+                              + '\necho "${THREADS[verifier]} ${THREADS[trainer]} ${THREADS[actor]}"'],
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert threads == ["1", "3", "1"]  # run.sh's OMP_NUM_THREADS per role: one per core of its list
     # through the command line, as run.sh calls it, with CUDA_VISIBLE_DEVICES naming the node's GPUs
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7", "NNODES": "2", "NODE_RANK": "1"}
     r = subprocess.run([sys.executable, "scripts/launch.py", "shell", run, "actor.engines=2", "actor.tp=2"],
