@@ -1,14 +1,11 @@
 """Actor: vLLM generation with in-flight weight updates (PipelineRL, arXiv 2509.19128, Algorithm 2).
 
-Consumes: training prompts from tasks.py (the seeded stream from the trainer's store key `cursor`); new
-  weights over the weight group (weights_sync.py), announced by the store keys `announce/<n>` (the version
-  of the n-th broadcast, or "done").
-Produces: one `rollout` (common.SCHEMAS) per finished sample, ZMQ PUSH to ports.host:ports.rollouts (the
-  verifier's PULL): prompt_ids[int32 P], completion_ids[int32 T], logprobs[float32 T] (the behaviour
-  policy μ: log_softmax(logits/temperature) of each sampled token), versions[int32 T] (the version that
-  sampled each token); header group_id (the prompt's stream index), sample_idx, group_size, task, answer,
-  finish_reason, t_start, t_end, proc (this actor process), eval (a test-split attempt, which the verifier
-  grades into eval.jsonl). Metrics `actor/*` in <run.dir>/metrics_actor.jsonl.
+Consumes: training prompts from tasks.py (a seeded stream; the trainer's store key `cursor` says where to
+  start); new weights over the weight group (weights_sync.py), announced by the store keys `announce/<n>`.
+Produces: one `rollout` (common.SCHEMAS) per finished sample, ZMQ PUSH to ports.host:ports.rollouts:
+  prompt_ids, completion_ids, logprobs (the behaviour policy μ: log_softmax(logits/temperature) of each
+  sampled token), versions (the version that sampled each token), and the group, task and timing fields;
+  `eval` marks a test-split attempt, graded into eval.jsonl. Metrics `actor/*` in metrics_actor.jsonl.
 Run alone (needs trainer.py's store at sync.host:sync.port and a PULL socket):  python actor.py [k=v ...]
   Exits 0 on SIGTERM/SIGINT or "done"; non-zero when the trainer does not show up within
   run.peer_timeout_s (naming its address) or goes away. With several actor processes (one per node),
@@ -20,9 +17,8 @@ Simplifications vs the paper and its code:
 2. A group's `group_size` attempts are independent n=1 requests (finer admission, per-sample push);
    prefix caching is off, so they share no KV (DESIGN.md: stale KV after an update).
 3. Evaluation never holds back an update: its requests run beside training (in actor.max_inflight/4 extra
-   engine slots) across any number of updates, each token labelled with its version like a training one;
-   eval.jsonl gives the span of versions behind a score (`versions`) and the one it started at. Only
-   actor process 0 evaluates.
+   engine slots) across any number of updates, each token labelled with its version; eval.jsonl gives the
+   span of versions behind a score. Only actor process 0 evaluates.
 4. Stale KV is kept across an update (the paper's default); actor.recompute_kv=true recomputes it.
 5. Several actor processes split the lag budget evenly (exact for one process; see `admit`).
 """
@@ -87,12 +83,10 @@ def start_engines(cfg, proc_index: int = 0) -> list:
     engines = []
     if not _on_gpu():
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores  # one OMP thread per listed core
-        # One engine process, the model running inside it: vLLM on CPU otherwise starts a worker process
-        # beside the engine core (the mp executor), which costs a start-up (~10 s) and, per decode step, a
-        # hand-off over a shared-memory queue on which the engine core busy-waits (bench_actor_alone: 6.3k
-        # -> 6.7k tokens/s). Spawned with this process's affinity: on actor.cpu_cores. This process (request
-        # intake, output processing, the actor loop) then moves to the other cores, if there are any: on
-        # the engine's core it would take turns with the decode steps (issue 12).
+        # The model runs inside the engine-core process: a worker process beside it (the mp executor) costs
+        # a start-up (~10 s) and a busy-waited hand-off per decode step (bench_actor_alone: 6.3k -> 6.7k
+        # tokens/s). It is spawned on actor.cpu_cores; this process (request intake, outputs, the loop) then
+        # moves to the other cores, if any, so as not to take turns with the decode steps (issue 12).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # AsyncLLM still runs its engine core apart
         allowed = os.sched_getaffinity(0)
         engine_cores = common.cpu_set(cfg.actor.cpu_cores)
@@ -126,12 +120,11 @@ async def join_weight_group(cfg, engines, proc_index: int = 0):
 async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float):
     """In-flight update (DESIGN.md) of the broadcast announced as `version` -> (stats, pause_s).
 
-    The four calls go out back to back, without waiting for each other's replies; each engine core
-    runs them in the order they arrive, between two decode steps: pause (the running requests and
-    their KV are kept), receive and load, label the new version, resume. Nothing can decode in
-    between, so the version label is exact (set inside the pause: labelling after resume mislabels a
-    step), and generation stops only for the wire and the load, plus one engine-core hand-off. vLLM's
-    own AsyncLLM.pause_generation would add a 20 ms sleep and a round trip (bench/bench_stall.py)."""
+    The four calls go out back to back; each engine core runs them in order between two decode steps:
+    pause (running requests keep their KV), receive and load, label the new version, resume. Nothing
+    decodes in between, so the label is exact (after resume it would mislabel a step), and generation
+    stops only for wire and load. AsyncLLM.pause_generation would add a 20 ms sleep and a round trip
+    (bench/bench_stall.py)."""
     t0 = time.perf_counter()
     calls = []
     for e in engines:  # vLLM 0.32: EngineCoreClient utilities (see weights_sync.VLLM_VERSION)
@@ -190,16 +183,14 @@ class Announcements:
 
     def _run(self):
         try:
-            while (value := self._wait(f"announce/{self.next}")) != "done":
-                self.next += 1
+            value = None
+            while value != "done":
+                key, self.next = f"announce/{self.next}", self.next + 1
+                self.store.wait([key], timedelta(days=365))  # returns the moment the trainer sets it
+                value = self.store.get(key).decode()
+                self._tell(self.pending.append, value)
         except Exception as e:  # noqa: BLE001
             self._tell(setattr, self, "error", e)
-
-    def _wait(self, key):
-        self.store.wait([key], timedelta(days=365))  # returns the moment the trainer sets it
-        value = self.store.get(key).decode()
-        self._tell(self.pending.append, value)
-        return value
 
     def _tell(self, *call):
         try:
@@ -419,12 +410,7 @@ class Actor:
             w = st.window  # this log line's (the loop replaces it after each line)
             w["engine_tokens"] = w.get("engine_tokens", 0) + len(r["completion_ids"])
             if not evaluation:
-                lag = st.version - r["versions"]
-                w["tokens"], w["samples"] = w.get("tokens", 0) + len(lag), w.get("samples", 0) + 1
-                if len(lag):
-                    w["lag_min"] = min(w.get("lag_min", 1 << 30), int(lag.min()))
-                    w["lag_max"] = max(w.get("lag_max", 0), int(lag.max()))
-                    w["lag_sum"] = w.get("lag_sum", 0) + int(lag.sum())
+                w.setdefault("lags", []).append(st.version - r["versions"])  # [T] per training sample
                 st.pushed += 1
         except Exception as ex:  # noqa: BLE001 - the loop raises it
             st.error = ex
@@ -445,14 +431,15 @@ class Actor:
         # Heartbeat and progress, for the trainer's "waiting for" message (trainer.waiting_for).
         self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")
         self.store.set(f"started/{self.proc}", str(st.started_total))
-        w, dt, u = st.window, now - self.last_log, np.array(self.updates_window).reshape(-1, 3)
-        g = np.array(self.stalls_window).reshape(-1, 2)
-        log("actor", {"tokens_per_s": w.get("tokens", 0) / dt, "samples_per_s": w.get("samples", 0) / dt,
+        w, dt = st.window, now - self.last_log
+        lags = np.concatenate(w.get("lags", []) + [np.zeros(0, np.int32)])  # [tokens pushed in this window]
+        u, g = np.array(self.updates_window).reshape(-1, 3), np.array(self.stalls_window).reshape(-1, 2)
+        log("actor", {"tokens_per_s": len(lags) / dt, "samples_per_s": len(w.get("lags", [])) / dt,
                       "engine_tokens_per_s": w.get("engine_tokens", 0) / dt, "inflight": st.inflight,
-                      "version": st.version, "updates": st.updates, "lag_min": w.get("lag_min", 0),
-                      "lag_max": w.get("lag_max", 0), "lag_mean": w.get("lag_sum", 0) / max(1, w.get("tokens", 0)),
+                      "version": st.version, "updates": st.updates, "lag_min": int(lags.min()) if len(lags) else 0,
+                      "lag_max": int(lags.max(initial=0)), "lag_mean": float(lags.sum()) / max(1, len(lags)),
                       "pause_s_mean": float(u[:, 0].mean()) if len(u) else 0.0,
-                      "pause_s_max": float(u[:, 0].max()) if len(u) else 0.0,
+                      "pause_s_max": float(u[:, 0].max(initial=0.0)),
                       "update_wire_s": float(u[:, 1].mean()) if len(u) else 0.0,
                       "update_load_s": float(u[:, 2].mean()) if len(u) else 0.0,
                       # the engine's own gap between decode steps around an update, and its wire + load

@@ -1,14 +1,12 @@
 """What the roles share: the config, the wire format, metrics and the run directory's start-up record.
 
-- Config: config.yaml is the one place a default lives; each section is read into a frozen dataclass
-  whose field types are those of config.yaml's values; `section.key=value` overrides and overlay files
-  (`configs/x.yaml`) apply in order. Unknown keys, wrong types and impossible combinations raise
-  `ConfigError` naming the key. (The launch-time checks of the model and the GPUs: scripts/launch.py.)
-- Wire format (DESIGN.md): a ZMQ multipart message; frame 0 is a UTF-8 JSON header whose `arrays`
-  lists `{name, dtype, shape}` for each following frame (the array's raw bytes); `encode`/`decode`
-  check it against SCHEMAS, non-finite numbers included. Malformed input raises `WireError`; roles
-  drop it, log it and count it. No pickle anywhere.
-- Metrics: `log(role, metrics, step)` prints a one-line summary and appends a JSONL record to
+- Config: config.yaml is the one place a default lives; each section becomes a frozen dataclass typed by
+  its values. `section.key=value` overrides and overlay files (`configs/x.yaml`) apply in order; unknown
+  keys, wrong types and impossible combinations raise `ConfigError` naming the key.
+- Wire format (DESIGN.md): a ZMQ multipart message, frame 0 a UTF-8 JSON header whose `arrays` lists
+  `{name, dtype, shape}` of each following raw frame, checked against SCHEMAS (non-finite numbers
+  included). Malformed input raises `WireError`: roles drop it, log it and count it. No pickle anywhere.
+- Metrics: `log(role, metrics, step)`: a one-line summary on stdout and a JSONL record in
   <run.dir>/metrics_<role>.jsonl (mirrored to W&B when run.wandb and the package are there).
 """
 import dataclasses
@@ -51,6 +49,11 @@ CHOICES = {("data", "task"): ("arithmetic", "math"), ("data", "prompt_format"): 
            ("actor", "schedule"): ("pipeline", "conventional"),
            ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
            ("trainer", "reduce_dtype"): ("float32", "bfloat16")}
+MINIMUMS = {"actor": dict(engines=1, tp=1, group_size=1, max_inflight=1, G_steps=1, max_tokens=1, max_lag=0,
+                          eval_every=0),
+            "trainer": dict(nproc=1, nnodes=1, batch_size=1, micro_batch_tokens=1, max_steps=1, keep_checkpoints=1,
+                            checkpoint_every=0, grad_clip=0, logits_chunk=0),
+            "verifier": dict(workers=1, overlong_buffer=0), "data": dict(test_size=1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,19 +160,11 @@ def validate(cfg: Config):
     for (sec, key), allowed in CHOICES.items():
         if getattr(getattr(cfg, sec), key) not in allowed:
             raise ConfigError(f"{sec}.{key}={getattr(getattr(cfg, sec), key)!r}; allowed: {', '.join(allowed)}")
-    a, t, v = cfg.actor, cfg.trainer, cfg.verifier
-    for key, value, low in [("actor.engines", a.engines, 1), ("actor.tp", a.tp, 1), ("actor.group_size", a.group_size, 1),
-                            ("actor.max_inflight", a.max_inflight, 1), ("actor.G_steps", a.G_steps, 1),
-                            ("actor.max_tokens", a.max_tokens, 1), ("trainer.nproc", t.nproc, 1),
-                            ("trainer.nnodes", t.nnodes, 1), ("trainer.batch_size", t.batch_size, 1),
-                            ("trainer.micro_batch_tokens", t.micro_batch_tokens, 1), ("trainer.max_steps", t.max_steps, 1),
-                            ("verifier.workers", v.workers, 1), ("data.test_size", cfg.data.test_size, 1),
-                            ("trainer.keep_checkpoints", t.keep_checkpoints, 1), ("actor.max_lag", a.max_lag, 0),
-                            ("actor.eval_every", a.eval_every, 0), ("trainer.checkpoint_every", t.checkpoint_every, 0),
-                            ("trainer.grad_clip", t.grad_clip, 0), ("verifier.overlong_buffer", v.overlong_buffer, 0),
-                            ("trainer.logits_chunk", t.logits_chunk, 0)]:
-        if value < low:
-            raise ConfigError(f"{key}={value}: must be >= {low}")
+    for sec, bounds in MINIMUMS.items():
+        for key, low in bounds.items():
+            if getattr(getattr(cfg, sec), key) < low:
+                raise ConfigError(f"{sec}.{key}={getattr(getattr(cfg, sec), key)}: must be >= {low}")
+    a, t = cfg.actor, cfg.trainer
     if t.batch_size % a.group_size:
         raise ConfigError(f"trainer.batch_size={t.batch_size} must be a multiple of "
                           f"actor.group_size={a.group_size} (only complete groups are trained on)")

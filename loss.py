@@ -16,11 +16,10 @@ Notation (shapes: B sequences, T completion tokens, V vocab):
   (6) ESS   = (Σ w)² / (N_tok Σ w²)  over all N_tok masked tokens of a step, w from (4)   paper eq. 6
   (7) KL(μ‖π) ≈ Σ_t k3,  k3 = ρ − 1 − log ρ  with ρ = π/μ (unclamped), y_t ~ μ   (Schulman's k3)
 
-Dividing by N_seq (not by tokens, not per micro-batch) makes (5) additive: the trainer sums the
-losses and gradients of its micro-batches and ranks (no averaging) and gets the step's loss.
-For the same reason every statistic `policy_loss` returns is a SUM, combined at the end by `ess` etc.
-(2) and (3) are computed in float32 at completion positions only, a chunk at a time (`completion_logprobs`):
-a bf16 logsumexp is off by ~1e-2 nats, an error that goes straight into (4).
+Dividing by N_seq (not by tokens, not per micro-batch) makes (5) additive: the trainer sums the losses,
+gradients and statistics (all SUMS, combined at the end by `ess` etc.) of its micro-batches and ranks.
+(2), (3) are computed in float32 (a bf16 logsumexp is off by ~1e-2 nats, straight into (4)), at completion
+positions only, a chunk at a time (`completion_logprobs`).
 """
 import torch
 
@@ -30,11 +29,8 @@ LAG_BUCKET_LABELS = ["0", "1", "2", "3-4", "5-8", ">8"]
 
 
 def group_advantages(rewards, group_size, normalize_std=False, eps=1e-6):
-    """(1) rewards [N] (tensor, numpy array or list), laid out group after group -> float32 tensor [N].
-
-    Std normalisation (GRPO) is off by default, as in the paper's released code; it uses the
-    population std (ddof=0), so a group of one gives 0 rather than NaN.
-    """
+    """(1) rewards [N] (tensor, numpy array or list), laid out group after group -> float32 tensor [N]. Std
+    normalisation (GRPO) is off by default, as in the paper's code; population std: a group of one gives 0."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # [N]
     n = rewards.numel()
     if group_size < 1 or n % group_size != 0:
@@ -47,13 +43,10 @@ def group_advantages(rewards, group_size, normalize_std=False, eps=1e-6):
 
 
 def nucleus_mask(scaled, top_p):
-    """(2') scaled logits [N,V] (already ÷ temperature) -> bool [N,V], True = inside the top-p nucleus.
-
-    The rule of vLLM 0.32's sampler (`apply_top_k_top_p_pytorch`): sort ascending, drop every token whose
-    cumulative probability (itself included) is <= 1 - top_p, never the most likely one. With
-    `logprobs_mode="processed_logprobs"` the actor's μ is the softmax renormalised over this set, so π must
-    be too, or on-policy tokens get w = π/μ < 1 (DESIGN.md, top-p trap).
-    """
+    """(2') scaled logits [N,V] (already ÷ temperature) -> bool [N,V], True = inside the top-p nucleus: the rule
+    of vLLM 0.32's sampler (`apply_top_k_top_p_pytorch`): sort ascending, drop every token whose cumulative
+    probability (itself included) is <= 1 - top_p, never the most likely one. The actor's μ (processed_logprobs)
+    is renormalised over this set, so π must be too, or on-policy w = π/μ < 1 (DESIGN.md, top-p trap)."""
     sorted_z, order = scaled.sort(dim=-1)  # [N,V] ascending
     drop_sorted = sorted_z.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # [N,V]
     drop_sorted[:, -1] = False  # at least one token
@@ -120,30 +113,22 @@ def completion_logprobs(hidden, weight, targets, temperature, top_p=1.0, chunk=1
 
 
 def lag_bucket_index(lag):
-    """lag [B,T] long -> bucket index [B,T] long into LAG_BUCKET_LABELS; the last bucket is open-ended.
-
-    A negative lag (impossible unless versions are mislabelled) lands in bucket "0".
-    """
+    """lag [B,T] long -> bucket index [B,T] into LAG_BUCKET_LABELS (last open-ended; a negative lag: "0")."""
     inner_edges = torch.tensor(LAG_BUCKET_EDGES[1:], dtype=lag.dtype, device=lag.device)  # [K-1]
     return torch.bucketize(lag, inner_edges, right=True)  # [B,T]: i such that edge_i <= lag < edge_{i+1}
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clamp=5.0, entropy=None, lags=None):
-    """(4)-(5) truncated-IS REINFORCE. Returns (loss, stats).
+    """(4)-(5) truncated-IS REINFORCE -> (loss, stats).
 
     logprobs [B,T] (π, with grad), old_logprobs [B,T] (μ), advantages [B], mask [B,T] (bool or 0/1).
-    num_sequences: sequences in the whole optimizer step, counted over all micro-batches and all
-    ranks (STYLE rule 6) -- so per-micro-batch losses and gradients add up to the step's.
-    entropy [B,T] (optional) adds `entropy_sum`; lags [B,T] long (optional) adds per-bucket sums.
-
-    stats: detached 0-dim float64 tensors (1-D of length len(LAG_BUCKET_LABELS) for `bucket_*`), all
-    SUMS over masked tokens, so they add across micro-batches and ranks without a host sync here
-    (float64 because token counts of a large step pass float32's exact-integer range, 2^24):
-      tokens, ratio_sum, ratio_sq_sum (of w from (4), i.e. AFTER the clamp: the weights the loss
-      used, which is what ESS (6) measures), clamped_tokens (raw ratio > is_clamp), logprob_sum,
-      old_logprob_sum, kl_sum (7), [entropy_sum], [bucket_tokens, bucket_ratio_sum,
-      bucket_ratio_sq_sum, bucket_kl_sum, bucket_clamped].
-    Masked tokens may hold any finite values: they touch neither the loss, its gradient nor the stats.
+    num_sequences: N_seq of (5), counted over all micro-batches and all ranks (STYLE rule 6).
+    entropy [B,T] (optional) adds `entropy_sum`; lags [B,T] long (optional) adds the `bucket_*` sums.
+    stats: detached float64 SUMS over masked tokens, 0-dim ([len(LAG_BUCKET_LABELS)] for `bucket_*`), so they
+    add across micro-batches and ranks without a host sync (float64: a large step's token count passes
+    float32's exact integers, 2^24). ratio_sum, ratio_sq_sum are of w AFTER the clamp, what ESS (6) measures;
+    clamped_tokens counts raw ratio > is_clamp. Masked tokens may hold any finite values: they touch neither
+    the loss, its gradient nor the stats.
     """
     m = mask.bool()  # [B,T]
     log_ratio = torch.where(m, logprobs.detach() - old_logprobs, 0.0)  # [B,T] log π/μ; 0 off-mask
@@ -153,45 +138,27 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clam
     loss = -per_token.sum() / num_sequences  # (5) normalised by the step's sequence count, not tokens
 
     with torch.no_grad():
-        f64 = torch.float64
-        clamped = ratio > is_clamp  # [B,T] (4) the truncation engaged; never off-mask (ratio = 1)
-        kl = ratio - 1.0 - log_ratio  # [B,T] (7) k3, 0 off-mask since ratio = 1 there
-
-        def msum(x):  # sum over masked tokens, in float64
-            return torch.where(m, x.to(f64), 0.0).sum()
-
-        stats = {
-            "tokens": m.to(f64).sum(),
-            "ratio_sum": msum(weight),  # (6) Σ w, w after the clamp
-            "ratio_sq_sum": msum(weight * weight),  # (6) Σ w²
-            "clamped_tokens": msum(clamped),
-            "logprob_sum": msum(logprobs.detach()),
-            "old_logprob_sum": msum(old_logprobs),
-            "kl_sum": msum(kl),  # (7)
-        }
+        summands = {"tokens": m, "ratio_sum": weight, "ratio_sq_sum": weight * weight,  # [B,T] each: (6) Σ w, Σ w²
+                    "clamped_tokens": ratio > is_clamp,  # (4) the truncation engaged; never off-mask (ratio = 1)
+                    "logprob_sum": logprobs.detach(), "old_logprob_sum": old_logprobs,
+                    "kl_sum": ratio - 1.0 - log_ratio}  # (7) k3, 0 off-mask since ratio = 1 there
         if entropy is not None:
-            stats["entropy_sum"] = msum(entropy.detach())
-        if lags is not None:
+            summands["entropy_sum"] = entropy.detach()  # (3)
+        summands = {k: torch.where(m, x.to(torch.float64), 0.0) for k, x in summands.items()}  # [B,T] each
+        stats = {k: x.sum() for k, x in summands.items()}
+        if lags is not None:  # per lag bucket; scatter_add avoids a host sync
             bucket = lag_bucket_index(lags).reshape(-1)  # [B·T]
-            k = len(LAG_BUCKET_LABELS)
-
-            def bsum(x):  # per-bucket sum over masked tokens; scatter_add avoids a host sync
-                vals = torch.where(m, x.to(f64), 0.0).reshape(-1)  # [B·T]
-                return torch.zeros(k, dtype=f64, device=vals.device).scatter_add_(0, bucket, vals)  # [K]
-
-            stats["bucket_tokens"] = bsum(torch.ones_like(weight))
-            stats["bucket_ratio_sum"] = bsum(weight)
-            stats["bucket_ratio_sq_sum"] = bsum(weight * weight)
-            stats["bucket_kl_sum"] = bsum(kl)
-            stats["bucket_clamped"] = bsum(clamped)
+            for name, k in (("bucket_tokens", "tokens"), ("bucket_ratio_sum", "ratio_sum"),
+                            ("bucket_ratio_sq_sum", "ratio_sq_sum"), ("bucket_kl_sum", "kl_sum"),
+                            ("bucket_clamped", "clamped_tokens")):
+                flat = summands[k].reshape(-1)  # [B·T]
+                stats[name] = flat.new_zeros(len(LAG_BUCKET_LABELS)).scatter_add_(0, bucket, flat)  # [K]
     return loss, stats
 
 
 def ess(ratio_sum, ratio_sq_sum, tokens):
-    """(6) ESS = (Σw)² / (N Σw²) in (0, 1] from summed stats (floats or 0-dim tensors) -> float.
-
-    Returns 1.0 when there are no tokens or Σw² = 0 (nothing was off-policy that we could measure).
-    """
+    """(6) ESS = (Σw)² / (N Σw²) in (0, 1] from summed stats (floats or 0-dim tensors) -> float; 1.0 when there
+    are no tokens or Σw² = 0 (nothing was off-policy that we could measure)."""
     ratio_sum, ratio_sq_sum, tokens = float(ratio_sum), float(ratio_sq_sum), float(tokens)
     if tokens == 0 or ratio_sq_sum == 0:
         return 1.0

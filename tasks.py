@@ -1,20 +1,10 @@
-"""Datasets: the built-in arithmetic task, GSM8K/MATH-style sets, prompt formatting.
+"""Datasets: the built-in arithmetic task, GSM8K/MATH-style sets, prompt formatting, grading (`score`).
 
-A problem is `Problem(prompt, answer, task, target)`: `prompt` is the raw question text (formatted for
-the model by `format_prompt`), `answer` the gold final answer as a string, `task` names the grader
-(`arithmetic` or `math`: `score` below), `target` a worked solution when one exists (the
-arithmetic task's; used to warm-start the tiny model).
+The training set is an endless seeded stream addressed by cursor (`TrainStream.get(i)`: a resumed run
+continues the prompt order); the test split never overlaps it. Arithmetic: `a+b` with 1..4-digit operands;
+the target adds column by column, right to left, with the carry, then gives `#answer`:
 
-The training set is an endless, seeded stream indexed by an integer cursor (`TrainStream.get(i)`), so a
-resumed run continues the prompt order where it left off. The test split never overlaps training.
-
-Arithmetic: `a+b` with 1..4-digit operands. The target is a digit-by-digit worked solution, one line
-per column (right to left) with the carry, then `#answer`:
-
-    47+385=          ->   7+5=12
-                          4+8+1=13
-                          3+1=4
-                          #432
+    47+385=   ->   7+5=12 / 4+8+1=13 / 3+1=4 / #432   (one line each)
 
 so its length grows with the problem (8 characters for 3+4, ~40 for 4-digit operands with carries):
 the long tail that PipelineRL exploits (paper Sec. 3).
@@ -29,7 +19,6 @@ import numpy as np
 ANSWER_MARK = "#"
 _ARITH_ANSWER = re.compile(r"#(\d+)\s*$")
 _TEST_SEED = 12345  # the arithmetic test split is fixed, whatever run.seed is
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 STATUSES = ("correct", "wrong", "no_answer", "unparsable", "timeout")  # what grading says of an answer
 TASKS = ("arithmetic", "math")
 _PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -38,16 +27,16 @@ _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")  # 1,234
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
-    answer: str
-    task: str
-    target: str = ""
+    prompt: str  # the raw question text (format_prompt makes the model's input)
+    answer: str  # the gold final answer
+    task: str  # the grader: one of TASKS
+    target: str = ""  # a worked solution where one exists (arithmetic: warm-starts the tiny model)
 
 
 # --- arithmetic -------------------------------------------------------------------------------------
 
-def arithmetic_solution(a: int, b: int) -> str:
-    """Digit-by-digit addition with carries, ending in `#a+b`."""
+def arithmetic_problem(a: int, b: int) -> Problem:
+    """`a+b=` with its worked solution: digit-by-digit addition with carries, ending in `#a+b`."""
     da, db = str(a)[::-1], str(b)[::-1]
     lines, carry = [], 0
     for i in range(max(len(da), len(db))):
@@ -55,12 +44,8 @@ def arithmetic_solution(a: int, b: int) -> str:
         s = sum(int(t) for t in terms)
         lines.append("+".join(terms) + f"={s}")
         carry = s // 10
-    return "\n".join(lines) + f"\n{ANSWER_MARK}{a + b}"
-
-
-def arithmetic_problem(a: int, b: int) -> Problem:
     return Problem(prompt=f"{a}+{b}=\n", answer=str(a + b), task="arithmetic",
-                   target=arithmetic_solution(a, b))
+                   target="\n".join(lines) + f"\n{ANSWER_MARK}{a + b}")
 
 
 def arithmetic_final_answer(completion: str):
@@ -77,31 +62,23 @@ def _draw_operands(rng, min_digits, max_digits):
 
 
 def arithmetic_test(size, min_digits=1, max_digits=4) -> list:
-    """`size` distinct problems from a fixed seed."""
-    rng = np.random.default_rng(_TEST_SEED)
-    seen, out = set(), []
-    while len(out) < size:
-        ab = _draw_operands(rng, min_digits, max_digits)
-        if ab not in seen:
-            seen.add(ab)
-            out.append(arithmetic_problem(*ab))
-    return out
+    """`size` distinct problems from a fixed seed, in the order first drawn."""
+    rng, operands = np.random.default_rng(_TEST_SEED), {}
+    while len(operands) < size:
+        operands.setdefault(_draw_operands(rng, min_digits, max_digits))
+    return [arithmetic_problem(*ab) for ab in operands]
 
 
 # --- GSM8K / MATH-style sets ------------------------------------------------------------------------
 
 def extract_boxed(text: str):
-    """Content of the last \\boxed{...} (balanced braces), else None."""
-    start = text.rfind("\\boxed")
-    while start != -1:
-        i = text.find("{", start)
-        if i != -1 and text[start + 6:i].strip() == "":
-            depth = 0
-            for j in range(i, len(text)):
-                depth += {"{": 1, "}": -1}.get(text[j], 0)
-                if depth == 0:
-                    return text[i + 1:j]
-        start = text.rfind("\\boxed", 0, start)
+    """Content of the last \\boxed{...} with balanced braces, else None."""
+    for m in reversed(list(re.finditer(r"\\boxed\s*\{", text))):
+        depth = 0
+        for j in range(m.end() - 1, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[m.end():j]
     return None
 
 
@@ -113,20 +90,18 @@ def gold_answer(record: dict) -> str:
     return extract_boxed(ans) or extract_boxed(str(record.get("solution", ""))) or ans.strip()
 
 
-def load_records(source: str, split: str) -> list:
-    """A local JSONL file; else, read by `datasets`, an HF dataset (`name` or `name:config`, from the hub or
-    the local HF cache) or a local dataset folder (e.g. train.jsonl + test.jsonl: split = file name)."""
+def math_problems(source: str, split: str) -> list:
+    """Problems from a local JSONL file; else, read by `datasets`, an HF dataset (`name` or `name:config`, from
+    the hub or the local HF cache) or a local dataset folder (e.g. train.jsonl + test.jsonl: split = file name)."""
     if source.endswith(".jsonl") or os.path.isfile(source):
         with open(source) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    import datasets
-    name, _, config = source.partition(":")
-    return list(datasets.load_dataset(name, config or None, split=split))
-
-
-def math_problems(source: str, split: str) -> list:
+            records = [json.loads(line) for line in f if line.strip()]
+    else:
+        import datasets
+        name, _, config = source.partition(":")
+        records = datasets.load_dataset(name, config or None, split=split)
     out = []
-    for r in load_records(source, split):
+    for r in records:
         q = r.get("problem", r.get("question"))
         if q is None or ("answer" not in r and "solution" not in r):
             raise SystemExit(f"{source}: each record needs 'problem' or 'question', and 'answer'; got {sorted(r)}")
@@ -135,11 +110,10 @@ def math_problems(source: str, split: str) -> list:
 
 
 # --- grading -------------------------------------------------------------------------------------------
-# The task's knowledge of what a right answer is. The verifier runs these with time limits (ScorePool).
 
 def score(completion: str, answer: str, task: str):
-    """-> (reward, status) with the default table (correct 1.0, else 0.0). Pure, and no time limit of
-    its own: sympy can run for hours on a hostile answer, so call it through ScorePool."""
+    """-> (reward, status) with the default table (correct 1.0, else 0.0). No time limit of its own: sympy
+    can run for hours on a hostile answer, so the verifier calls it through ScorePool."""
     if task == "arithmetic":
         pred = arithmetic_final_answer(completion)
         if pred is None:
@@ -154,8 +128,8 @@ def score(completion: str, answer: str, task: str):
     if pred is None:
         return 0.0, "no_answer"
     from math_verify import parse, verify  # lazy: only scoring processes pay for sympy
-    # Both sides go through the same \boxed{} wrapper, so that parse reads them alike. Timeouts None:
-    # math_verify's signal.alarm works in a main thread only (verifier.py, simplification 3).
+    # Both sides in the same \boxed{} wrapper, so that parse reads them alike. Timeouts off: math_verify's
+    # signal.alarm works in a main thread only (verifier.py, simplification 3).
     gold = parse("\\boxed{" + answer + "}", parsing_timeout=None)
     parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
     if not parsed:
@@ -172,18 +146,15 @@ class TrainStream:
     """Endless seeded stream of training problems, addressed by cursor (for resume)."""
 
     def __init__(self, cfg_data, seed: int, test: list):
-        self.cfg, self.seed = cfg_data, seed
-        self.test_keys = {p.prompt for p in test}
-        self.items = math_problems(cfg_data.train_path, cfg_data.hf_split_train) \
-            if cfg_data.task == "math" else None
-        if self.items is not None:
-            self.items = [p for p in self.items if p.prompt not in self.test_keys] or self.items
+        self.cfg, self.seed, self.test_keys, self.items = cfg_data, seed, {p.prompt for p in test}, None
+        if cfg_data.task == "math":
+            items = math_problems(cfg_data.train_path, cfg_data.hf_split_train)
+            self.items = [p for p in items if p.prompt not in self.test_keys] or items
 
     def get(self, i: int) -> Problem:
         if self.items is not None:  # a fresh seeded permutation per epoch
             n = len(self.items)
-            perm = np.random.default_rng([self.seed, i // n]).permutation(n)
-            return self.items[perm[i % n]]
+            return self.items[np.random.default_rng([self.seed, i // n]).permutation(n)[i % n]]
         for k in range(1000):  # redraw the rare training problem that is in the test split
             rng = np.random.default_rng([self.seed, i, k])
             p = arithmetic_problem(*_draw_operands(rng, self.cfg.min_digits, self.cfg.max_digits))
@@ -206,5 +177,6 @@ def format_prompt(problem: Problem, tokenizer=None, prompt_format: str = "plain"
     """plain: the question as is (the tiny model); chat: the tokenizer's chat template + \\boxed{} ask."""
     if prompt_format == "plain":
         return problem.prompt
-    messages = [{"role": "user", "content": f"{problem.prompt}\n{BOXED_INSTRUCTION}"}]
+    content = f"{problem.prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    messages = [{"role": "user", "content": content}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -1,33 +1,26 @@
 """Trainer: hand-written FSDP over torchrun ranks; pulls samples, packs, steps, sends weights, checkpoints.
 
-Consumes  samples: ZMQ PULL connected to the verifier at ports.host:ports.samples, one `sample` message per
-          sequence (prompt_ids, completion_ids, logprobs = the behaviour policy μ per completion token,
-          versions = the version that sampled each token, advantage, reward); each rank pulls its share,
-          B/W sequences per step (B = trainer.batch_size).
-Produces  (1) weights after every optimizer step (every actor.G_steps steps in the conventional schedule)
-          over the weight group (weights_sync.py; rank 0 is its rank 0), labelled version = optimizer steps
-          taken; (2) checkpoints <run.dir>/checkpoints/step-N: HF safetensors + config + tokenizer,
-          optim-rank{r}.pt, trainer_state.json, COMPLETE; (3) metrics_trainer.jsonl and samples_trainer.jsonl
-          (rank 0's sequences of each step: group ids and per-token versions run-length coded as [version, n]).
-Run alone (a verifier must push samples, the actor's vLLM workers join the weight group):
+Consumes  `sample` messages (common.SCHEMAS: the rollout + reward, advantage), ZMQ PULL connected to the
+          verifier at ports.host:ports.samples; each rank pulls its B/W sequences per step (B = trainer.batch_size).
+Produces  (1) the weights after every optimizer step (every actor.G_steps steps, conventional schedule) over
+          the weight group (weights_sync.py), version = optimizer steps taken; (2) checkpoints
+          <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer, optim-rank{r}.pt, trainer_state.json,
+          COMPLETE); (3) metrics_trainer.jsonl and samples_trainer.jsonl (rank 0's sequences of each step: group
+          ids and per-token versions run-length coded as [version, n]).
+Run alone (a verifier pushes samples, the actor's vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
 `python trainer.py` without torchrun runs one rank with no process group (every collective is a no-op).
 
-Hand-written FSDP (DESIGN.md): sharding units = each decoder block of model.model.layers + one root unit
-(embeddings, final norm, lm_head; buffers such as the rotary table stay unsharded). Each rank owns 1/W of
-every unit's flat fp32 master vector, its gradient and its AdamW moments. See `--- FSDP ---`.
-
 Deliberate simplifications vs. the paper and its released code (DeepSpeed ZeRO-3):
- 1. Overlap is one unit deep (trainer.prefetch: the next unit's all-gather and the previous unit's
-    reduce-scatter run during compute) on one process group: all-gathers and reduce-scatters queue behind
-    each other (torchtitan gives them separate streams); on CPU gloo's copies share the rank's core.
+ 1. FSDP (see `--- FSDP ---`): units are the decoder blocks + one root (embeddings, final norm, lm_head);
+    overlap is one unit deep (trainer.prefetch) on one process group, so all-gathers and reduce-scatters
+    queue behind each other (torchtitan gives them separate streams).
  2. Gradients are reduce-scattered in fp32 by default (exact sums; trainer.reduce_dtype=bfloat16 halves the bytes).
  3. Micro-batches are right-padded rows of length-sorted samples, not one packed row with a block-diagonal
-    mask: padding wastes (longest - length) tokens per row (small after sorting), a packed row would pay
-    O(T^2) attention over micro_batch_tokens. trainer.micro_batch_tokens bounds rows x longest (padded).
+    mask: padding wastes little after sorting; a packed row would pay O(T^2) attention.
  4. Every rank loads the whole HF model into CPU memory once before sharding (no meta-device init).
  5. Checkpoints assume a filesystem shared by all ranks. Resuming with another number of ranks re-cuts the
-    optimizer shards (every rank then reads all optimizer files once) and restarts the RNG streams.
+    optimizer shards and restarts the RNG streams.
  6. samples_trainer.jsonl holds rank 0's share of each step only (1/W of the sequences).
  7. The asynchronous weight send (sync.async_send) keeps one full copy of the weights on rank 0.
 """
@@ -93,33 +86,25 @@ def barrier():
         dist.barrier()
 
 
-def compute_dtype(cfg, device) -> torch.dtype:
-    if cfg.model.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.model.dtype)
-
-
 # --- FSDP ------------------------------------------------------------------------------------------
-# Forward: a unit's wrapped forward takes its shards all-gathered into one flat buffer in the compute dtype
-# (`_Gather`, `_take`), points the modules' parameter attributes at views of it, runs, then drops the views.
-# Tensors autograd saves for backward that live in a gathered buffer are replaced by a handle (`_pack`), so
-# nothing keeps the buffer alive after the unit's forward. Backward: the first op that needs the unit's
-# weights unpacks a handle, which re-gathers the unit (`_unpack`); `_Gather.backward` runs once every weight
-# of the unit has its gradient, frees the re-gathered copy and reduce-scatters the flat gradient (`_reduce`).
-# Overlap (trainer.prefetch; torchtitan/FSDP2 do the same): taking a unit's buffer first issues the
-# all-gather of the unit needed next, asynchronously, so that it runs while this unit computes (forward
-# needs root, block 1..L; backward the head (root), then L..1); a reduce-scatter is issued asynchronously
-# and waited on when the next unit's gradient is ready, so that it runs during that unit's backward.
-# Gathered parameters at any time: the root, the unit computing and the one prefetched.
-# Collective order: every rank builds the same graph (same model, zero-weight micro-batches have the same
-# structure) and the autograd engine runs ready nodes in a fixed order (highest sequence number first), so
-# all ranks issue the same all-gathers and reduce-scatters in the same order.
+# Forward: a unit's wrapped forward all-gathers its shards into one flat buffer in the compute dtype
+# (`_Gather`, `_take`), points the modules' parameter attributes at views of it, runs, drops the views.
+# Tensors autograd saves that live in a gathered buffer are replaced by a handle (`_pack`), so nothing keeps
+# the buffer alive after the forward. Backward: the first op that needs the unit's weights unpacks a handle,
+# which re-gathers the unit (`_unpack`); `_Gather.backward` runs once every weight of the unit has its
+# gradient, frees the re-gathered copy and reduce-scatters the flat gradient (`_reduce`).
+# Overlap (trainer.prefetch; as torchtitan/FSDP2): taking a unit's buffer issues the all-gather of the unit
+# needed next, so it runs while this unit computes; a reduce-scatter is waited on only when the next unit's
+# gradient is ready. Gathered at any time: the root, the unit computing and the one prefetched.
+# Collective order: every rank builds the same graph (zero-weight micro-batches have the same structure)
+# and autograd runs ready nodes in a fixed order, so all ranks issue the same collectives in the same order.
 
 class Unit:
     """One sharding unit: its parameters flattened into an fp32 vector of N elements padded to N_pad, a
     multiple of W; this rank owns elements [rank*S, (rank+1)*S), S = N_pad/W (`shard`, the master copy)."""
 
-    def __init__(self, entries, device):
+    def __init__(self, entries, device, index_in_model):
+        self.index = index_in_model
         params, index, self.slots, self.names = [], {}, [], []
         for name, module, attr in entries:  # a tied tensor (two slots) is stored once
             p = getattr(module, attr)
@@ -183,9 +168,7 @@ class FSDP:
             for attr, p in module._parameters.items():
                 if p is not None:
                     entries[unit_of.get(id(module), 0)].append((f"{mname}.{attr}", module, attr))
-        self.units = [Unit(e, device) for e in entries]
-        for i, unit in enumerate(self.units):
-            unit.index = i
+        self.units = [Unit(e, device, i) for i, e in enumerate(entries)]
         model.to(device)  # what is left: buffers (rotary table), unsharded
         inner = model.forward
         model.forward = lambda *args, **kwargs: self.run_root(inner, *args, **kwargs)
@@ -391,8 +374,9 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     model.config.use_cache = False
     model.train()
-    tc = cfg.trainer
-    state = TrainState(model, FSDP(model, device, compute_dtype(cfg, device), tc.activation_checkpointing, tc.prefetch,
+    tc, auto = cfg.trainer, torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    state = TrainState(model, FSDP(model, device, dtype, tc.activation_checkpointing, tc.prefetch,
                                    getattr(torch, tc.reduce_dtype)))
     if ckpt is not None:
         meta = json.loads((Path(ckpt) / "trainer_state.json").read_text())
@@ -460,18 +444,15 @@ def completion_forward(model, x, cfg):
 # --- train step --------------------------------------------------------------------------------------------
 
 def train_step(state: TrainState, samples, cfg) -> dict:
-    """One optimizer step on this rank's share of the batch (B/W sample dicts: a sample message's header
-    fields and arrays). Every rank calls it together; the returned metrics are summed over ranks.
+    """One optimizer step on this rank's B/W samples (dicts: a sample message's fields and arrays); every rank
+    calls it together; the metrics are summed over ranks.
 
-    Only the work the loss needs: a sample whose advantage is 0 contributes exactly 0 to (5) and to its
-    gradient, so it is not run at all (most groups early on: all attempts right or all wrong); the
-    normaliser still counts every sequence of the step, so loss and gradient are those of the whole
-    batch. The lm_head runs at completion positions only, `trainer.logits_chunk` of them at a time
-    (loss.completion_logprobs). Diagnostics over tokens (ESS, KL, clamp fraction, entropy and their lag
-    buckets) therefore describe the sequences that carry gradient; lag min/mean/max, lag by position,
-    reward and sequence counts describe all of them. A non-finite gradient norm skips the update
-    (weights and AdamW moments unchanged, `skipped` counted); the step still consumes its batch and
-    counts as a version, which the trainer then does not broadcast."""
+    A sample whose advantage is 0 contributes exactly 0 to (5) and its gradient, so it is not run at all
+    (most groups early on); the normaliser still counts every sequence, so loss and gradient are the whole
+    batch's. Token diagnostics (ESS, KL, clamp fraction, entropy, their lag buckets) therefore describe the
+    sequences that carry gradient; lags, reward and counts describe all. A non-finite gradient norm skips
+    the update (weights and moments unchanged, `skipped` counted); the step still counts as a version,
+    which the trainer does not broadcast."""
     t0 = time.time()
     tc, device, f64 = cfg.trainer, state.fsdp.device, torch.float64
     version = state.step  # the policy being trained; this step produces version + 1
@@ -545,11 +526,10 @@ def train_step(state: TrainState, samples, cfg) -> dict:
 # --- weights and checkpoints ----------------------------------------------------------------------------------
 
 def send_weights(state, sender, cfg, wait=False) -> float:
-    """The current weights to the actors. All ranks gather each unit in turn; rank 0 broadcasts it
-    (sync.async_send=false), or copies it for its AsyncSender thread, which broadcasts while the next
-    step trains. An asynchronous send that finds the thread still busy with the previous version is
-    skipped (only the newest weights travel), unless `wait`: the conventional schedule's actor idles
-    until it has these weights, and version 0 must reach it. -> seconds on the training loop's path."""
+    """The current weights to the actors: all ranks gather each unit in turn; rank 0 broadcasts it, or
+    (sync.async_send) copies it for its AsyncSender thread, which broadcasts while the next step trains. If
+    that thread is still busy, this version is skipped (only the newest weights travel), unless `wait`: the
+    conventional actor idles until it has these weights, and version 0 must arrive. -> seconds on the loop's path."""
     t0 = time.time()
     if cfg.sync.async_send and cfg.weight_world > 1:
         if sender is not None:
@@ -667,9 +647,11 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
     return out, waited
 
 
-def lost_actors(store, cfg) -> list:
-    """Actor processes silent for over half of run.peer_timeout_s, by their heartbeat (store key alive/<p>: the
-    actor's clock and host, set every run.log_every s): their node is down or unreachable, or actor.py died."""
+def waiting_for(store, cfg, state) -> str:
+    """For error messages: actors silent for over half of run.peer_timeout_s by their heartbeat (store key
+    alive/<p>: clock and host, set every run.log_every s), what they started and what was dropped on the way."""
+    if store is None:
+        return "is verifier.py running?"
     lost, now = [], time.time()
     for p in range(cfg.actor_procs):
         beat = store.get(f"alive/{p}").decode().split() if store.check([f"alive/{p}"]) else None
@@ -677,14 +659,6 @@ def lost_actors(store, cfg) -> list:
             lost.append(f"actor process {p} (never heard from)")
         elif now - float(beat[0]) > cfg.run.peer_timeout_s / 2:
             lost.append(f"actor process {p} on {beat[1]} (silent for {now - float(beat[0]):.0f} s)")
-    return lost
-
-
-def waiting_for(store, cfg, state) -> str:
-    """What the actors started and what was dropped on the way (the store's counters), for error messages."""
-    if store is None:
-        return "is verifier.py running?"
-    lost = lost_actors(store, cfg)
     started = sum(int(store.add(f"started/{p}", 0)) for p in range(cfg.actor_procs))
     dropped = sum(int(store.add(f"dropped/{p}", 0)) for p in range(cfg.actor_procs))
     return ((f"lost {', '.join(lost)}: its node is down or unreachable, or actor.py died there; " if lost else "")
@@ -722,16 +696,13 @@ def main():
 
     # --- weight group: trainer rank 0 + every vLLM worker; version 0 (or the checkpoint's) goes out first ---
     sender = store = None
-    if is_main() and cfg.weight_world > 1:
-        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, True, cfg.sync.timeout_s)
+    if cfg.weight_world > 1:  # the other ranks report the samples they drop (pull_samples) on the same store
+        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, is_main(), cfg.sync.timeout_s)
+    if is_main() and store is not None:
         store.set("cursor", str(state.max_group_id + 1))  # the actor's first prompt: after the last trained group
-        pg = weights_sync.init_group(store, 0, cfg.weight_world, "nccl" if device.type == "cuda" else "gloo",
-                                     cfg.sync.timeout_s)
-        sender = weights_sync.WeightSender(store, pg, cfg.sync.bucket_mb)
-        if cfg.sync.async_send:
-            sender = weights_sync.AsyncSender(sender)
-    elif cfg.weight_world > 1:  # the other ranks report the samples they drop (pull_samples) on the same store
-        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.sync.timeout_s)
+        sender = weights_sync.WeightSender(store, weights_sync.init_group(store, 0, cfg.weight_world, "auto",
+                                                                          cfg.sync.timeout_s), cfg.sync.bucket_mb)
+        sender = weights_sync.AsyncSender(sender) if cfg.sync.async_send else sender
     send_weights(state, sender, cfg, wait=True)
 
     # --- samples: each rank pulls its own share from the verifier ---
@@ -747,19 +718,17 @@ def main():
     # --- training loop: pull, step, send weights, log, checkpoint ---
     batches = []  # this rank's shares of the optimizer steps whose samples are already here
     while state.step < cfg.trainer.max_steps:
+        wait_s = 0.0
         if not batches:
             # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL step with one
             # policy before its first optimizer step; PipelineRL (G_steps=1) steps as soon as B are here.
             steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
             pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr, vocab_size, store)
             batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
-        else:
-            wait_s = 0.0
         samples = batches.pop(0)
         trained_version = state.step
         metrics = train_step(state, samples, cfg)
-        broadcast_s = 0.0
-        conventional = cfg.actor.schedule == "conventional"
+        broadcast_s, conventional = 0.0, cfg.actor.schedule == "conventional"
         # Pipeline: after every applied step. Conventional: once per RL step (G_steps steps), even when its last
         # step was skipped (the actor waits for this broadcast to start the next RL step).
         if state.step % cfg.actor.G_steps == 0 and (conventional or not metrics["step_skipped"]):
@@ -785,7 +754,6 @@ def main():
         if isinstance(sender, weights_sync.AsyncSender):
             sender.close()  # sync: the broadcast in flight completes (the actors receive until "done")
             sender = sender.sender
-        store.set("done", "1")
         sender.announce("done")  # the actors exit 0 on this (run.sh then ends the run)
         deadline = time.time() + 30   # this process hosts the store: keep it up until they have seen it
         while store.add("done_ack", 0) < cfg.actor_procs and time.time() < deadline:

@@ -1,28 +1,24 @@
 """Verifier: scores rollouts, completes groups, computes advantages, pushes training samples.
 
 Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor (common.SCHEMAS).
-Produces  ZMQ PUSH bound on ports.host:ports.samples: one `sample` per rollout of a complete group (the
-          rollout + `reward`, `status`, `advantage`); trainer ranks connect PULL sockets, ZMQ spreads the
-          samples. Evaluation passes (`eval`: true, one "group" over the test split) go to
-          <run.dir>/eval.jsonl instead: version (at its start), versions [oldest, newest] (the policies that
-          produced its tokens), test_reward, n. Dropped samples (zero-advantage groups when asked, malformed
-          rollouts, groups incomplete after verifier.stale_group_s) are given back to their actor's admission
-          budget through the trainer's store (dropped/<proc>). Metrics: metrics_verifier.jsonl.
+Produces  ZMQ PUSH bound on ports.host:ports.samples: one `sample` per rollout of a complete group; trainer
+          ranks connect PULL sockets, ZMQ spreads the samples. An evaluation pass (`eval`: true, one group over
+          the test split) becomes a line of <run.dir>/eval.jsonl instead: version (at its start), versions
+          [oldest, newest] of its tokens, test_reward, n. Dropped groups (zero-advantage ones when asked,
+          malformed, incomplete after verifier.stale_group_s) go back to their actor's admission budget
+          through the trainer's store (dropped/<proc>). Metrics: metrics_verifier.jsonl.
 Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports.rollouts, PULL samples from
             ports.samples; a drop needs the trainer's store at sync.host:sync.port)
-
-Grading is the task's (tasks.score); `ScorePool` runs it in worker processes with a per-item limit: a worker
-that hangs (sympy on a hostile answer) or dies is replaced, the item scores `timeout`, the service goes on.
 
 Deliberate simplifications:
  1. One process, state in memory: a restart loses the groups in progress (restart or resume the run).
  2. Advantage = r - group mean, no std division (the paper's code); the reward table of the config plus
     DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
- 3. math_verify's own timeouts (signal.alarm: main thread only, DESIGN.md) are off; the pool's limit kills
-    the worker instead (a ~1 s restart per timeout).
- 4. Workers are plain subprocesses speaking JSON lines over pipes, not multiprocessing (a spawn pool would
-    re-import the caller's __main__ in every worker).
- 5. Late duplicates of a forwarded or dropped group are recognised for the last 100k groups only.
+ 3. Grading (tasks.score) runs in `ScorePool` workers: plain subprocesses speaking JSON lines over pipes (a
+    multiprocessing spawn pool would re-import the caller's __main__ in every worker), with math_verify's own
+    timeouts off (signal.alarm: main thread only, DESIGN.md); a worker that overruns the per-item limit (sympy
+    on a hostile answer) or dies is replaced (~1 s) and its item scores `timeout`.
+ 4. Late duplicates of a forwarded or dropped group are recognised for the last 100k groups only.
 """
 import contextlib
 import json
@@ -33,7 +29,6 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -43,7 +38,7 @@ import tasks
 from loss import group_advantages
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_FINISHED_KEPT = 100_000  # group ids remembered to catch late duplicates (simplification 5)
+_FINISHED_KEPT = 100_000  # group ids remembered to catch late duplicates (simplification 4)
 
 
 # --- scoring ----------------------------------------------------------------------------------------
@@ -61,11 +56,9 @@ def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
 def _worker_loop():
     """A ScorePool worker: JSON lines [completion, answer, task] on stdin -> [reward, status] on stdout."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole process group; the parent stops us
-    try:  # Linux: die with the parent even while stuck in sympy (PR_SET_PDEATHSIG = 1)
+    with contextlib.suppress(OSError, AttributeError):  # Linux: die with the parent even while stuck in sympy
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # a library that prints must not corrupt the protocol: fd 1 now goes to stderr
     import logging
@@ -84,21 +77,21 @@ def _worker_loop():
 class ScorePool:
     """`workers` scoring processes. An item gets `timeout_s` seconds from when a worker takes it; a worker
     that overruns or dies is killed and replaced and its item scores (0.0, "timeout"). Completions are cut
-    to their last `max_chars` characters (the final answer is at the end) before they are sent.
-    Use score_many, or submit + collect (the verifier's loop); not both on one pool. Workers die with the
-    thread that started them (PR_SET_PDEATHSIG): create the pool in a long-lived thread."""
+    to their last `max_chars` characters (the final answer is at the end). Use score_many, or submit +
+    collect (the verifier's loop); not both on one pool. Workers die with the thread that started them
+    (PR_SET_PDEATHSIG): create the pool in a long-lived thread."""
 
     def __init__(self, workers: int, timeout_s: float, max_chars: int):
         self.timeout_s, self.max_chars = timeout_s, max_chars
-        self.backlog, self.results = deque(), []  # (ticket, item) not yet taken; finished (ticket, ...)
+        self.backlog, self.results = deque(), []  # (ticket, item) not yet taken; (ticket, reward, status, s)
         self.next_ticket, self.restarts, self.failed_starts = 0, 0, 0
         self.workers = [self._start() for _ in range(workers)]
 
-    def _start(self):
-        # A fresh interpreter that imports this file only (simplification 4).
+    @staticmethod
+    def _start():  # a fresh interpreter that imports this file only (simplification 3)
         code = f"import sys; sys.path.insert(0, {_HERE!r}); import verifier; verifier._worker_loop()"
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        return {"proc": proc, "buf": b"", "ready": False, "job": None, "t0": 0.0}
+        return {"proc": proc, "ready": False, "job": None, "t0": 0.0}
 
     @staticmethod
     def _stop(w):
@@ -119,25 +112,10 @@ class ScorePool:
         self.workers[self.workers.index(w)] = self._start()
         self.restarts += 1
 
-    def _read(self, w):
-        data = os.read(w["proc"].stdout.fileno(), 1 << 16)
-        if not data:  # EOF: the worker died (killed, out of memory, a crash in C)
-            return self._replace(w)
-        w["buf"] += data
-        while b"\n" in w["buf"]:
-            line, w["buf"] = w["buf"].split(b"\n", 1)
-            if not w["ready"]:
-                w["ready"], self.failed_starts = True, 0
-                continue
-            reward, status = json.loads(line)
-            self.results.append((w["job"], float(reward), status, time.monotonic() - w["t0"]))
-            w["job"] = None
-
     def _dispatch(self):
         for w in list(self.workers):
             if self.backlog and w["ready"] and w["job"] is None:
-                ticket, item = self.backlog.popleft()
-                w["job"], w["t0"] = ticket, time.monotonic()
+                (w["job"], item), w["t0"] = self.backlog.popleft(), time.monotonic()
                 try:
                     w["proc"].stdin.write(json.dumps(item).encode() + b"\n")
                     w["proc"].stdin.flush()
@@ -156,7 +134,7 @@ class ScorePool:
         return len(self.backlog) + sum(w["job"] is not None for w in self.workers)
 
     def fds(self) -> list:
-        """Pipes to wait on (e.g. in a zmq.Poller) for results; they change when a worker is replaced."""
+        """Pipes to wait on (e.g. with zmq.select) for results; they change when a worker is replaced."""
         return [w["proc"].stdout.fileno() for w in self.workers]
 
     def collect(self, timeout: float = 0.0) -> list:
@@ -164,10 +142,16 @@ class ScorePool:
         readable, _, _ = select.select(self.fds(), [], [], 0 if self.results else timeout)
         for w in list(self.workers):
             if w["proc"].stdout.fileno() in readable:
-                self._read(w)
-        now = time.monotonic()
-        for w in list(self.workers):
-            if w["job"] is not None and now - w["t0"] > self.timeout_s:
+                line = w["proc"].stdout.readline()  # cannot block: a worker writes one whole line, then waits
+                if not line:  # EOF: the worker died (killed, out of memory, a crash in C)
+                    self._replace(w)
+                elif not w["ready"]:
+                    w["ready"], self.failed_starts = True, 0
+                else:
+                    reward, status = json.loads(line)
+                    self.results.append((w["job"], float(reward), status, time.monotonic() - w["t0"]))
+                    w["job"] = None
+            elif w["job"] is not None and time.monotonic() - w["t0"] > self.timeout_s:
                 self._replace(w)
         self._dispatch()
         out, self.results = self.results, []
@@ -175,60 +159,55 @@ class ScorePool:
 
     def score_many(self, items: list) -> list:
         """[(completion, answer, task)] -> [(reward, status)] in the same order."""
-        slot = {self.submit(*item): i for i, item in enumerate(items)}
-        out, left = [None] * len(items), len(items)
-        while left:
-            for ticket, reward, status, _ in self.collect(timeout=0.1):
-                out[slot[ticket]] = (reward, status)
-                left -= 1
-        return out
+        tickets, done = [self.submit(*item) for item in items], {}
+        while len(done) < len(items):
+            done.update({t: (reward, status) for t, reward, status, _ in self.collect(timeout=0.1)})
+        return [done[t] for t in tickets]
 
     def close(self):
         for w in self.workers:
             self._stop(w)
         self.workers = []
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 # --- the service --------------------------------------------------------------------------------------
 
-@dataclass
-class Groups:
-    """Rollouts on their way to becoming samples. A key is (eval, group_id): eval passes and training
-    groups have separate id spaces."""
-    open: dict = field(default_factory=dict)  # key -> {"size", "t0", "proc", "seen": {idx}, "scored": {idx: (h, a)}}
-    finished: OrderedDict = field(default_factory=OrderedDict)  # keys forwarded or dropped (simplification 5)
-    scoring: dict = field(default_factory=dict)  # pool ticket -> (header, arrays)
-    outbox: deque = field(default_factory=deque)  # encoded samples waiting for a trainer rank
-    counts: dict = field(default_factory=lambda: {
-        "groups_forwarded": 0, "zero_adv_groups": 0, "dropped_groups": 0, "dropped_samples": 0, "duplicates": 0,
-        "malformed": 0, "stale_groups": 0, "evaluations": 0, **{f"status_{s}": 0 for s in tasks.STATUSES}})
+class State:
+    """What the service holds in memory (simplification 1). A group's key is (eval, group_id): eval passes and
+    training groups have separate id spaces."""
+
+    def __init__(self, cfg):
+        self.cfg, self.store = cfg, None  # the trainer's store, connected at the first drop
+        self.open = {}  # key -> {"size", "t0", "proc", "seen": {idx}, "scored": {idx: (header, arrays)}}
+        self.finished = OrderedDict()  # keys forwarded or dropped (simplification 4)
+        self.scoring = {}  # pool ticket -> (header, arrays)
+        self.outbox = deque()  # encoded samples waiting for a trainer rank
+        self.counts = dict.fromkeys(["groups_forwarded", "zero_adv_groups", "dropped_groups", "dropped_samples",
+                                     "duplicates", "malformed", "stale_groups", "evaluations",
+                                     *(f"status_{s}" for s in tasks.STATUSES)], 0)
+        self.window = {"t": time.monotonic(), "samples": 0, "scored": [], "eval": None}  # since the last log
 
     def close(self, key):
+        """No longer open: samples still to come are late duplicates, results still being scored are ignored."""
         self.open.pop(key, None)
         self.finished[key] = None
         if len(self.finished) > _FINISHED_KEPT:
             self.finished.popitem(last=False)
 
-    def drop(self, key, proc: int, size: int, report):
-        """A training group that will not be forwarded: its samples go back to actor `proc`'s budget; results
-        of its samples still being scored are ignored, samples still to come are late duplicates."""
+    def drop(self, key, proc: int, size: int):
+        """A group that will not be forwarded; a training group's samples go back to actor `proc`'s budget."""
         self.close(key)
-        for ticket, x in self.scoring.items():
-            if x is not None and (x[0]["eval"], x[0]["group_id"]) == key:
-                self.scoring[ticket] = None
         if not key[0]:
             self.counts["dropped_groups"] += 1
             self.counts["dropped_samples"] += size
-            report(proc, size)
+            if self.store is None:
+                import weights_sync
+                sync = self.cfg.sync
+                self.store = weights_sync.create_store(sync.host, sync.port, False, self.cfg.run.peer_timeout_s)
+            self.store.add(f"dropped/{proc}", size)
 
 
-def receive(sock, g: Groups, pool, tokenizer, drop, limit: int):
+def receive(sock, state: State, pool, tokenizer, limit: int):
     """Read rollouts while the pool has room: check, decode, hand to the pool. A malformed rollout whose
     sender and group are known drops its whole group (it can never complete)."""
     while pool.busy() < limit and sock.poll(0):
@@ -236,12 +215,12 @@ def receive(sock, g: Groups, pool, tokenizer, drop, limit: int):
         try:
             header, arrays = common.decode(frames, "rollout")
             key, idx = (header["eval"], header["group_id"]), header["sample_idx"]
-            if key in g.finished or idx in g.open.get(key, {}).get("seen", ()):
-                g.counts["duplicates"] += 1
+            if key in state.finished or idx in state.open.get(key, {}).get("seen", ()):
+                state.counts["duplicates"] += 1
                 continue
-            if key in g.open and header["group_size"] != g.open[key]["size"]:
+            if key in state.open and header["group_size"] != state.open[key]["size"]:
                 raise common.WireError(f"group {key[1]}: group_size {header['group_size']} != "
-                                       f"{g.open[key]['size']} of its first sample")
+                                       f"{state.open[key]['size']} of its first sample")
             if header["task"] not in tasks.TASKS:
                 raise common.WireError(f"unknown task {header['task']!r}")
             try:
@@ -249,57 +228,61 @@ def receive(sock, g: Groups, pool, tokenizer, drop, limit: int):
             except Exception as e:  # ids outside the vocabulary
                 raise common.WireError(f"completion_ids do not decode: {e}") from e
         except common.WireError as e:
-            g.counts["malformed"] += 1
+            state.counts["malformed"] += 1
             print(f"[verifier] dropped a malformed rollout: {e}", flush=True)
             h = common.peek_header(frames)
-            known = all(isinstance(h.get(k), int) and not isinstance(h.get(k), bool)
-                        for k in ("group_id", "group_size", "proc"))
-            key = (h.get("eval") is True, h.get("group_id"))
-            if known and not key[0] and key not in g.finished and h["group_size"] >= 1:
-                g.drop(key, h["proc"], h["group_size"], drop)  # it can never complete
+            key = (False, h.get("group_id"))
+            if (all(type(h.get(k)) is int for k in ("group_id", "group_size", "proc")) and h.get("eval") is not True
+                    and key not in state.finished and h["group_size"] >= 1):
+                state.drop(key, h["proc"], h["group_size"])
             continue
-        group = g.open.setdefault(key, {"size": header["group_size"], "t0": time.monotonic(), "proc": header["proc"],
-                                        "seen": set(), "scored": {}, "stale": False})
+        group = state.open.setdefault(key, {"size": header["group_size"], "t0": time.monotonic(),
+                                            "proc": header["proc"], "seen": set(), "scored": {}})
         group["seen"].add(idx)
-        g.scoring[pool.submit(text, header["answer"], header["task"])] = (header, arrays)
+        state.scoring[pool.submit(text, header["answer"], header["task"])] = (header, arrays)
 
 
-def complete(g: Groups, key, cfg, drop, window):
+def complete(state: State, key):
     """A complete group: training -> advantages -> samples in the outbox (or dropped); eval -> eval.jsonl."""
-    group = g.open[key]
-    g.close(key)
+    group = state.open[key]
     members = [group["scored"][i] for i in range(group["size"])]
     rewards = [h["reward"] for h, _ in members]
     if key[0]:  # an evaluation pass over the test split (actor.py, simplification 3)
+        state.close(key)
         versions = np.concatenate([a["versions"] for _, a in members])
         record = {"version": key[1], "versions": [int(versions.min(initial=key[1])), int(versions.max(initial=key[1]))],
                   "time": time.time(), "test_reward": float(np.mean(rewards)), "n": len(members),
                   "eval_s": max(h["t_end"] for h, _ in members) - min(h["t_start"] for h, _ in members)}
-        with open(cfg.run_dir / "eval.jsonl", "a") as f:
+        with open(state.cfg.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        g.counts["evaluations"] += 1
-        window["evals"].append(record)
+        state.counts["evaluations"] += 1
+        state.window["eval"] = record
         return
     advantages = group_advantages(rewards, group["size"]).tolist()  # loss.py (1): r - group mean
     if max(rewards) == min(rewards):  # every advantage is 0: no gradient from this group
-        g.counts["zero_adv_groups"] += 1
-        if cfg.verifier.drop_zero_adv_groups:
-            g.drop(key, group["proc"], group["size"], drop)
-            return
-    for (h, a), advantage in zip(members, advantages):
-        g.outbox.append(common.encode({**h, "advantage": advantage}, a))
-    g.counts["groups_forwarded"] += 1
+        state.counts["zero_adv_groups"] += 1
+        if state.cfg.verifier.drop_zero_adv_groups:
+            return state.drop(key, group["proc"], group["size"])
+    state.close(key)
+    state.outbox.extend(common.encode({**h, "advantage": adv}, a) for (h, a), adv in zip(members, advantages))
+    state.counts["groups_forwarded"] += 1
 
 
-def drop_stale(g: Groups, cfg, drop):
-    """Groups still incomplete after verifier.stale_group_s (a sample lost on the way) are dropped."""
-    now = time.monotonic()
-    for key, group in list(g.open.items()):
-        if now - group["t0"] > cfg.verifier.stale_group_s:
-            print(f"[verifier] group {key[1]} still incomplete after {now - group['t0']:.0f} s "
-                  f"({len(group['seen'])}/{group['size']} samples received): dropped", flush=True)
-            g.counts["stale_groups"] += 1
-            g.drop(key, group["proc"], group["size"], drop)
+def log_window(state: State, pool, now):
+    """Log the metrics of the window that ends `now` and start the next one."""
+    w = state.window
+    metrics = {"samples_per_s": w["samples"] / max(now - w["t"], 1e-9),
+               "queue_depth": sum(len(x["seen"]) for x in state.open.values()),
+               "scoring": pool.busy(), "outbox": len(state.outbox), "worker_restarts": pool.restarts, **state.counts}
+    if w["scored"]:
+        rewards, seconds = zip(*w["scored"])
+        p50, p99 = np.percentile(1000 * np.array(seconds), [50, 99])
+        metrics.update(reward_mean=float(np.mean(rewards)), score_ms_p50=float(p50), score_ms_p99=float(p99))
+    if w["eval"]:
+        metrics.update(test_reward=w["eval"]["test_reward"], test_version=w["eval"]["version"],
+                       eval_s=w["eval"]["eval_s"])
+    common.log("verifier", metrics, state.counts["groups_forwarded"])
+    state.window = {"t": now, "samples": 0, "scored": [], "eval": None}
 
 
 def main():
@@ -323,85 +306,60 @@ def main():
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
-    g, store = Groups(), []
-
-    def drop(proc, n):  # back to actor `proc`'s budget; the trainer hosts the store (connect at the first drop)
-        if not store:
-            import weights_sync
-            store.append(weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s))
-        store[0].add(f"dropped/{proc}", n)
-    window = {"samples": 0, "rewards": [], "latency": [], "evals": [], "t": time.monotonic()}
+    state = State(cfg)
     print(f"[verifier] rollouts <- {host}:{cfg.ports.rollouts}, samples -> {host}:{cfg.ports.samples}, "
           f"{v.workers} scoring workers", flush=True)
 
     while not stopping:
-        # Backpressure: stop reading rollouts while the pool or the outbox is full; ZMQ then queues
-        # them up to its high-water mark and the actor's PUSH waits (without blocking its loop).
-        room = len(g.outbox) < 4 * cfg.trainer.batch_size
-        poller = zmq.Poller()
-        if room and pool.busy() < 2 * v.workers:
-            poller.register(rollouts_sock, zmq.POLLIN)
-        if g.outbox:
-            poller.register(samples_sock, zmq.POLLOUT)
-        for fd in pool.fds():
-            poller.register(fd, zmq.POLLIN)
-        poller.poll(50)  # 50 ms: also the granularity of the per-item time limit
+        # Backpressure: stop reading rollouts while the pool or the outbox is full; ZMQ then queues them up
+        # to its high-water mark and the actor's PUSH waits (without blocking its loop). Wait 50 ms at most:
+        # also the granularity of the per-item time limit.
+        room = len(state.outbox) < 4 * cfg.trainer.batch_size
+        reading = [rollouts_sock] if room and pool.busy() < 2 * v.workers else []
+        zmq.select(reading + pool.fds(), [samples_sock] if state.outbox else [], [], 0.05)
 
         # --- receive rollouts ---
         if room:
-            receive(rollouts_sock, g, pool, tokenizer, drop, 2 * v.workers)
+            receive(rollouts_sock, state, pool, tokenizer, 2 * v.workers)
         # --- score; complete groups -> advantages -> samples ---
         for ticket, _, status, seconds in pool.collect(0):
-            if g.scoring.get(ticket, 0) is None:  # its group was dropped meanwhile
-                del g.scoring[ticket]
+            header, arrays = state.scoring.pop(ticket)
+            key = (header["eval"], header["group_id"])
+            if key not in state.open:  # its group was dropped meanwhile
                 continue
-            header, arrays = g.scoring.pop(ticket)
             header.update(reward=reward_for(status, v, len(arrays["completion_ids"]), cfg.actor.max_tokens),
                           status=status)
-            g.counts[f"status_{status}"] += 1
-            window["rewards"].append(header["reward"])
-            window["latency"].append(seconds)
-            key = (header["eval"], header["group_id"])
-            g.open[key]["scored"][header["sample_idx"]] = (header, arrays)  # (a dropped group's results are None)
-            if len(g.open[key]["scored"]) == g.open[key]["size"]:
-                complete(g, key, cfg, drop, window)
+            state.counts[f"status_{status}"] += 1
+            state.window["scored"].append((header["reward"], seconds))
+            state.open[key]["scored"][header["sample_idx"]] = (header, arrays)
+            if len(state.open[key]["scored"]) == state.open[key]["size"]:
+                complete(state, key)
         # --- send samples ---
-        while g.outbox and samples_sock.poll(0, zmq.POLLOUT):
+        while state.outbox and samples_sock.poll(0, zmq.POLLOUT):
             try:
-                samples_sock.send_multipart(g.outbox[0], zmq.NOBLOCK, copy=False)
+                samples_sock.send_multipart(state.outbox[0], zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            g.outbox.popleft()
-            window["samples"] += 1
-        # --- metrics ---
+            state.outbox.popleft()
+            state.window["samples"] += 1
+        # --- metrics; drop stale groups (a sample lost on the way) ---
         now = time.monotonic()
-        if now - window["t"] >= cfg.run.log_every:
-            drop_stale(g, cfg, drop)
-            log_window(g, pool, window, now)
-            window = {"samples": 0, "rewards": [], "latency": [], "evals": [], "t": now}
+        if now - state.window["t"] >= cfg.run.log_every:
+            for key, group in list(state.open.items()):
+                if now - group["t0"] > v.stale_group_s:
+                    print(f"[verifier] group {key[1]} still incomplete after {now - group['t0']:.0f} s "
+                          f"({len(group['seen'])}/{group['size']} samples received): dropped", flush=True)
+                    state.counts["stale_groups"] += 1
+                    state.drop(key, group["proc"], group["size"])
+            log_window(state, pool, now)
 
     # --- shutdown (SIGTERM / SIGINT) ---
-    log_window(g, pool, window, time.monotonic())
+    log_window(state, pool, time.monotonic())
     pool.close()
     rollouts_sock.close(linger=0)
     samples_sock.close(linger=1000)  # give samples already handed to ZMQ a second to reach a trainer
     ctx.term()
-    print(f"[verifier] stopped; {len(g.outbox)} samples unsent, {len(g.open)} groups incomplete", flush=True)
-
-
-def log_window(g: Groups, pool, window, now):
-    metrics = {"samples_per_s": window["samples"] / max(now - window["t"], 1e-9),
-               "queue_depth": sum(len(x["seen"]) for x in g.open.values()),
-               "scoring": pool.busy(), "outbox": len(g.outbox), "worker_restarts": pool.restarts, **g.counts}
-    if window["rewards"]:
-        latency_ms = 1000 * np.array(window["latency"])
-        metrics.update(reward_mean=float(np.mean(window["rewards"])),
-                       score_ms_p50=float(np.percentile(latency_ms, 50)),
-                       score_ms_p99=float(np.percentile(latency_ms, 99)))
-    if window["evals"]:
-        e = window["evals"][-1]
-        metrics.update(test_reward=e["test_reward"], test_version=e["version"], eval_s=e["eval_s"])
-    common.log("verifier", metrics, g.counts["groups_forwarded"])
+    print(f"[verifier] stopped; {len(state.outbox)} samples unsent, {len(state.open)} groups incomplete", flush=True)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def make_items(n, seed=0):
     for _ in range(n):
         if rng.random() < 0.5:
             a, b = (int(x) for x in rng.integers(0, 10_000, size=2))
-            text, answer = tasks.arithmetic_solution(a, b), str(a + b)
+            text, answer = tasks.arithmetic_problem(a, b).target, str(a + b)
             u = rng.random()
             if u < 0.3:
                 text = text.rsplit(tasks.ANSWER_MARK, 1)[0] + f"{tasks.ANSWER_MARK}{a + b + 1}"

@@ -143,10 +143,9 @@ def bench_vllm(model_dir, bucket_mb, reps):
             th = threading.Thread(target=send)
             th.start()
             t0 = time.perf_counter()
-            await engine.collective_rpc("receive_weights")
+            stats = (await engine.collective_rpc("receive_weights"))[0]
             rpc_s = time.perf_counter() - t0
             th.join()
-            stats = (await engine.collective_rpc("weight_sync_stats"))[0]
             rows.append((t_send["s"], rpc_s, stats["wire_s"], stats["load_s"]))
         engine.shutdown()
         return rows

@@ -253,7 +253,7 @@ def big(tmp):
         send = lambda v: trainer.send_weights(state, sender, cfg, wait=True)  # noqa: E731 (sends version state.step)
     else:
         send = lambda v: trainer.send_weights(state, sender, v)  # noqa: E731
-    send(1)  # warm-up (staging buffers)
+    send(1)  # warm-up (the first collective creates NCCL's communicator)
     _sync()
     times = []
     for v in range(2, 5):

@@ -271,7 +271,7 @@ def test_tokenizer_roundtrips_identically(tiny_model_dir):
     from scripts.make_tiny_model import make_tokenizer
     fast = make_tokenizer()
     auto = AutoTokenizer.from_pretrained(tiny_model_dir)
-    texts = ["47+385=\n", tasks.arithmetic_solution(9999, 9999), " two  spaces\n\nnewlines\t tab ",
+    texts = ["47+385=\n", tasks.arithmetic_problem(9999, 9999).target, " two  spaces\n\nnewlines\t tab ",
              "\\boxed{\\frac{1}{2}} ünïcödé ∑"]
     for t in texts:
         ids = fast.backend_tokenizer.encode(t, add_special_tokens=False).ids

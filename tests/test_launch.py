@@ -179,7 +179,7 @@ def test_check_model_remembers_a_model_that_passed(tiny_model_dir, tmp_path, mon
 # --- the GPU recipe's dependencies: HF datasets ------------------------------------------------------------
 
 def test_hf_datasets_loader_reads_a_local_dataset_folder(tmp_path):
-    """datasets.load_dataset on a folder of JSONL files: the HF-dataset branch of load_records, offline."""
+    """datasets.load_dataset on a folder of JSONL files: the HF-dataset branch of tasks.math_problems, offline."""
     folder = tmp_path / "gsm8k"
     folder.mkdir()
     for split, n in (("train", 5), ("test", 3)):

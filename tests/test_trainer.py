@@ -476,8 +476,8 @@ def _fake_actor(sync_port, versions, out):
     out["cursor"] = store.get("cursor").decode()
     for _ in range(versions):
         out.setdefault("versions", []).append(ws.receive(pg)[0])
-    store.wait(["done"], timedelta(seconds=60))  # as actor.py: tell the trainer its "done" was seen, so that it
-    store.add("done_ack", 1)  # need not keep its store up for another 30 s
+    store.wait([f"announce/{versions + 1}"], timedelta(seconds=60))  # "done"; as actor.py: tell the trainer it was
+    store.add("done_ack", 1)  # seen, so that it need not keep its store up for another 30 s
 
 
 def _launch(tmp, model_dir, ranks, sync_port, samples_port, *extra):

@@ -1,6 +1,7 @@
 # Tiers (a) + (b): tasks.score on a table of answers, ScorePool against hostile input with real
 # worker processes, and verifier.py as a subprocess between real ZMQ sockets (CPU, ~60 s on 2 busy cores).
 # Run: bash run.sh test tests/test_verifier.py    or    .venv/bin/python -m pytest -q tests/test_verifier.py
+import contextlib
 import json
 import os
 import signal
@@ -125,7 +126,7 @@ MARGIN_S = 10.0  # a functional bound (the item must not hang), generous for a b
 
 @pytest.fixture(scope="module")
 def pool():
-    with V.ScorePool(workers=2, timeout_s=TIMEOUT_S, max_chars=50_000) as p:
+    with contextlib.closing(V.ScorePool(workers=2, timeout_s=TIMEOUT_S, max_chars=50_000)) as p:
         yield p
 
 
@@ -153,14 +154,14 @@ def test_pool_hostile_input_is_bounded_and_pool_keeps_serving(pool, name, item, 
 
 
 def test_pool_cuts_completions_to_max_chars():
-    with V.ScorePool(workers=1, timeout_s=30, max_chars=100) as p:
+    with contextlib.closing(V.ScorePool(workers=1, timeout_s=30, max_chars=100)) as p:
         tail = ("y" * 200 + "\\boxed{7}", "7", "math")
         head = ("\\boxed{7}" + "y" * 200, "7", "math")
         assert p.score_many([tail, head]) == [(1.0, "correct"), (0.0, "no_answer")]
 
 
 def test_pool_replaces_a_killed_worker():
-    with V.ScorePool(workers=1, timeout_s=120, max_chars=50_000) as p:
+    with contextlib.closing(V.ScorePool(workers=1, timeout_s=120, max_chars=50_000)) as p:
         assert p.score_many([NORMAL]) == [(1.0, "correct")]  # the worker is up
         pid = p.workers[0]["proc"].pid
         ticket = p.submit(BIG_POW, "5", "math")  # hangs: only the kill can end it before 120 s

@@ -34,6 +34,11 @@ def _manifest(tensors):
     return [(n, tuple(t.shape), t.dtype) for n, t in tensors]
 
 
+def _expected(tensors):
+    """The receiver's side of the manifest, as checkpoint_manifest gives it: name -> (shape, dtype name)."""
+    return {n: (list(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in tensors}
+
+
 def _reusing_iterator(tensors):
     """Like a trainer that double-buffers its gathers: tensor i's storage is overwritten by yield i+2
     (the sender's contract: a yielded tensor survives the next yield)."""
@@ -62,7 +67,7 @@ def _run_rank(rank, world, port, scenario, q):
         if scenario == "roundtrip":
             out = []
             for v in (3, 4):
-                version, got = ws.receive(pg, _manifest(_tensors(0)))
+                version, got = ws.receive(pg, _expected(_tensors(0)))
                 out.append((version, {n: (t.dtype, bool(torch.equal(t, ref))) for (n, ref), t in
                                       zip(_tensors(v), got.values())}, list(got)))
             q.put((rank, out))
@@ -72,19 +77,20 @@ def _run_rank(rank, world, port, scenario, q):
             raw = torch.empty(int(n.item()), dtype=torch.uint8)
             pg.broadcast(raw, 0).wait()
             header = json.loads(bytes(raw.numpy()).decode("utf-8"))
-            ws.drain(pg, header)
+            for _ in ws.iter_tensors(pg, header):  # the buckets of version 3
+                pass
             version, _ = ws.receive(pg)
             q.put((rank, (bytes(raw.numpy()[:1]), header, version)))
         elif scenario == "mismatch":
-            bad = _manifest(_tensors(0))
-            bad[1] = ("a.weight", (5, 3), torch.float32)
-            bad[2] = ("b.renamed", (257, 3), torch.bfloat16)
+            bad = _expected(_tensors(0))
+            bad["a.weight"] = ([5, 3], "float32")
+            bad["b.renamed"] = bad.pop("b.weight")
             try:
                 ws.receive(pg, bad)
                 err = None
             except ws.ManifestError as e:
                 err = str(e)
-            version, got = ws.receive(pg, _manifest(_tensors(0)))  # the group is still in step
+            version, got = ws.receive(pg, _expected(_tensors(0)))  # the group is still in step
             q.put((rank, (err, version, torch.equal(got["e.weight"], _tensors(4)[5][1]))))
     except Exception:  # pragma: no cover - reported to the test
         q.put((rank, traceback.format_exc()))
@@ -149,11 +155,11 @@ def test_manifest_mismatch_names_tensors_and_keeps_group_in_step():
 def test_sender_checks_iterator_against_manifest():
     store = ws.create_store("127.0.0.1", free_port(), True, 10)
     pg = ws.init_group(store, 0, 1, "gloo", 10)  # a one-rank group: broadcasts are local
-    assert ws.announced_version(store) is None
+    assert store.add("announced", 0) == 0
     tensors = _tensors(0)
     sender = ws.WeightSender(store, pg, BUCKET_MB)
     sender.send(7, iter(tensors), _manifest(tensors))
-    assert ws.announced_version(store) == 7
+    assert store.add("announced", 0) == 1 and store.get("announce/1") == b"7"  # what the actor blocks on
     swapped = [tensors[1], tensors[0]] + tensors[2:]
     with pytest.raises(ws.ManifestError, match="a.weight"):
         sender.send(8, iter(swapped), _manifest(tensors))
