@@ -52,11 +52,10 @@ def engine_args(cfg, proc_index: int = 0):
     """vLLM settings that matter for RL (DESIGN.md, Known traps, all measured on vLLM 0.32)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     on_gpu = _on_gpu()
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     extra = {"tensor_parallel_size": cfg.actor.tp, "gpu_memory_utilization": cfg.actor.gpu_memory_utilization} \
         if on_gpu else {"kv_cache_memory_bytes": int(cfg.actor.kv_cache_gb * 2**30)}
     return AsyncEngineArgs(
-        model=cfg.model_path, dtype=dtype, seed=cfg.run.seed + proc_index,
+        model=cfg.model_path, dtype=cfg.compute_dtype(on_gpu), seed=cfg.run.seed + proc_index,
         enforce_eager=not on_gpu,             # CPU: eager is what works; GPU: CUDA graphs
         enable_prefix_caching=False,          # a group shares its prompt: no KV computed by old weights
         logprobs_mode="processed_logprobs",   # logprobs of the distribution actually sampled (T, top-p)

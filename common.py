@@ -80,6 +80,10 @@ class Config:
         p = self.model.path
         return str(REPO / p) if not os.path.isabs(p) and (REPO / p).exists() else p
 
+    def compute_dtype(self, cuda: bool) -> str:
+        """model.dtype, with "auto" = bfloat16 on GPU, float32 on CPU: the trainer's and the engine's alike."""
+        return self.model.dtype if self.model.dtype != "auto" else ("bfloat16" if cuda else "float32")
+
     @property
     def trainer_world(self) -> int:
         return self.trainer.nproc * self.trainer.nnodes

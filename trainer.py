@@ -374,8 +374,7 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     model.config.use_cache = False
     model.train()
-    tc, auto = cfg.trainer, torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = auto if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    tc, dtype = cfg.trainer, getattr(torch, cfg.compute_dtype(device.type == "cuda"))
     state = TrainState(model, FSDP(model, device, dtype, tc.activation_checkpointing, tc.prefetch,
                                    getattr(torch, tc.reduce_dtype)))
     if ckpt is not None:

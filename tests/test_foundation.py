@@ -308,3 +308,10 @@ def test_reading_guide_names_exist():
                      and n.name == part]
             assert found, f"docs/READING.md names {path}:{name}, which does not exist"
             scope = found[0].body
+
+
+def test_compute_dtype_is_one_rule_for_trainer_and_engine():
+    """model.dtype=auto: bfloat16 on GPU, float32 on CPU (config.yaml); an explicit dtype wins on both."""
+    cfg = common.load_config([])
+    assert (cfg.compute_dtype(True), cfg.compute_dtype(False)) == ("bfloat16", "float32")
+    assert common.load_config(["model.dtype=float16"]).compute_dtype(False) == "float16"
