@@ -58,6 +58,7 @@ def engine_args(cfg, proc_index: int = 0):
         model=cfg.model_path, dtype=cfg.compute_dtype(on_gpu), seed=cfg.run.seed + proc_index,
         enforce_eager=not on_gpu,             # CPU: eager is what works; GPU: CUDA graphs
         enable_prefix_caching=False,          # a group shares its prompt: no KV computed by old weights
+        disable_log_stats=True,               # per-token stats and env look-ups: ~20% of the front-end's CPU
         logprobs_mode="processed_logprobs",   # logprobs of the distribution actually sampled (T, top-p)
         generation_config="vllm",             # ignore the checkpoint's sampling defaults (e.g. repetition penalty)
         max_num_seqs=cfg.actor.max_inflight + eval_slots(cfg, proc_index),
@@ -150,7 +151,13 @@ def sampling_params(cfg, temperature: float, top_p: float = 1.0):
                           output_kind=RequestOutputKind.FINAL_ONLY)
 
 
-async def generate(engine, prompt: str, params, request_id: str) -> dict:
+def prompt_ids(tokenizer, problem, prompt_format: str) -> dict:
+    """The prompt as vLLM would tokenize its text (special tokens added): a text prompt would cost every
+    request a tokenizer call in a thread pool on the front-end's core (issue 12)."""
+    return {"prompt_token_ids": tokenizer(format_prompt(problem, tokenizer, prompt_format))["input_ids"]}
+
+
+async def generate(engine, prompt, params, request_id: str) -> dict:
     """One request to completion -> ids, behaviour logprobs and per-token versions as arrays."""
     t_start = time.time()
     async for out in engine.generate(prompt, params, request_id=request_id):
@@ -260,10 +267,8 @@ class Actor:
         import zmq.asyncio
         self.cfg, self.engines, self.store, self.proc, self.st = cfg, engines, store, proc_index, st
         self.stream, self.test = load_tasks(cfg)
-        self.tokenizer = None
-        if cfg.data.prompt_format == "chat":
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)  # the engine's; prompts go in as ids
         self.push = zmq.asyncio.Context.instance().socket(zmq.PUSH)  # awaits backpressure, never blocks the loop
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
@@ -361,7 +366,7 @@ class Actor:
         slots, mine = asyncio.Semaphore(eval_slots(self.cfg)), []
         for i, p in enumerate(self.test):
             await slots.acquire()
-            prompt = format_prompt(p, self.tokenizer, self.cfg.data.prompt_format)
+            prompt = prompt_ids(self.tokenizer, p, self.cfg.data.prompt_format)
             mine.append(asyncio.create_task(self.sample(i % len(self.engines), p, prompt, version, i, params, slots)))
         await asyncio.gather(*mine)
 
@@ -382,7 +387,7 @@ class Actor:
                 break
             gid, self.next_group = self.next_group, self.next_group + cfg.actor_procs
             problem = self.stream.get(gid)
-            prompt = format_prompt(problem, self.tokenizer, cfg.data.prompt_format)
+            prompt = prompt_ids(self.tokenizer, problem, cfg.data.prompt_format)  # once per group
             e = min(range(len(self.engines)), key=lambda i: st.per_engine[i])
             st.groups[gid] = [st.version, cfg.actor.group_size]
             for k in range(cfg.actor.group_size):

@@ -6,6 +6,7 @@ denominator of "engine tokens/s inside a run / the same engine alone at the same
 
     .venv/bin/python bench/bench_actor_alone.py [--seconds 60] [--h 64] [--cores 0] [--pin] [k=v ...]
 
+Also prints the front-end's CPU time per 1k engine tokens (this process: request intake, outputs, the loop).
 --pin: the actor process on --cores with its engine (as run.sh did before issue 12), else actor.start_engines'
 layout, as in a run: the engine process on --cores, the actor's front-end on the other cores. Prints the mean of
 actor/engine_tokens_per_s over the last three quarters of the run (the first quarter warms up).
@@ -76,19 +77,27 @@ def main():
         threading.Thread(target=sender.send, args=(0, iter(sd.items()), manifest), daemon=True).start()
         halt = asyncio.Event()
         task = asyncio.ensure_future(actor.run_actor(cfg, [engine], store, halt))
-        await asyncio.sleep(args.seconds)
+        await asyncio.sleep(args.seconds / 4)  # warm-up; then the front-end's CPU time is counted
+        cpu.append((time.time(), time.process_time()))
+        await asyncio.sleep(args.seconds * 3 / 4)
+        cpu.append((time.time(), time.process_time()))
         halt.set()
         await task
         engine.shutdown()
 
     threading.Thread(target=drain, daemon=True).start()
-    t0 = time.time()
+    t0, cpu = time.time(), []
     asyncio.run(run())
     stop.set()
     recs = [r for r in common.read_jsonl(Path(tmp) / "metrics_actor.jsonl") if "actor/engine_tokens_per_s" in r]
     keep = [r["actor/engine_tokens_per_s"] for r in recs if r["time"] > t0 + (recs[-1]["time"] - t0) / 4]
+    # engine tokens made while the front-end's CPU time was counted: rate x window of each record inside it
+    tokens = sum(r["actor/engine_tokens_per_s"] * (r["time"] - q["time"]) for q, r in zip(recs, recs[1:])
+                 if cpu[0][0] < q["time"] and r["time"] <= cpu[1][0])
     print(f"\n== the actor alone, h={args.h}, cores {args.cores} ({'pinned' if args.pin else 'engine process there, front-end elsewhere'}): "
-          f"{np.mean(keep):.0f} engine tokens/s (mean of {len(keep)} one-second records; {got[0]} rollouts)")
+          f"{np.mean(keep):.0f} engine tokens/s (mean of {len(keep)} one-second records; {got[0]} rollouts); "
+          f"front-end CPU {1000 * (cpu[1][1] - cpu[0][1]) / max(tokens, 1):.3f} s per 1k engine tokens "
+          f"({(cpu[1][1] - cpu[0][1]) / (cpu[1][0] - cpu[0][0]):.2f} of a core)")
 
 
 if __name__ == "__main__":

@@ -208,6 +208,26 @@ def test_behaviour_logprobs_match_hf(env, temperature):
     assert worst < 1e-4, worst
 
 
+def test_prompt_ids_are_the_engines_own_tokenization(env):
+    """The actor hands vLLM token ids (actor.prompt_ids) instead of text: they must be the ids vLLM makes of
+    the text itself, special tokens included, for training and test prompts alike."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from tasks import load_tasks
+    tok = AutoTokenizer.from_pretrained(env["model_dir"])
+    stream, test = load_tasks(env["cfg"])
+    problems = [stream.get(g) for g in range(6)] + test[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    texts = env["loop"].run_until_complete(_gather(*(
+        actor.generate(env["engine"], p.prompt, params, f"text-{i}") for i, p in enumerate(problems))))
+    ids = [actor.prompt_ids(tok, p, "plain") for p in problems]
+    assert all(len(i["prompt_token_ids"]) > 1 for i in ids)
+    assert [t["prompt_ids"].tolist() for t in texts] == [i["prompt_token_ids"] for i in ids]
+    again = env["loop"].run_until_complete(_gather(*(
+        actor.generate(env["engine"], i, params, f"ids-{k}") for k, i in enumerate(ids))))
+    assert [a["completion_ids"].tolist() for a in again] == [t["completion_ids"].tolist() for t in texts]
+
+
 def test_top_p_importance_weights_are_one_on_policy(env):
     """actor.top_p=0.9: vLLM's μ is the nucleus-renormalised probability (processed_logprobs). The trainer's
     π (loss.completion_logprobs with the same top_p, on the same weights) must describe the same
