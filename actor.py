@@ -267,8 +267,7 @@ class Actor:
         import zmq.asyncio
         self.cfg, self.engines, self.store, self.proc, self.st = cfg, engines, store, proc_index, st
         self.stream, self.test = load_tasks(cfg)
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)  # the engine's; prompts go in as ids
+        self.tokenizer = engines[0].get_tokenizer()  # vLLM's own (loaded once): prompts go in as its ids
         self.push = zmq.asyncio.Context.instance().socket(zmq.PUSH)  # awaits backpressure, never blocks the loop
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))

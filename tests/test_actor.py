@@ -209,19 +209,24 @@ def test_behaviour_logprobs_match_hf(env, temperature):
 
 
 def test_prompt_ids_are_the_engines_own_tokenization(env):
-    """The actor hands vLLM token ids (actor.prompt_ids) instead of text: they must be the ids vLLM makes of
-    the text itself, special tokens included, for training and test prompts alike."""
+    """The actor hands vLLM token ids (actor.prompt_ids, with the engine's tokenizer) instead of text: they
+    must be the ids vLLM makes of the text itself, special tokens included, for training and test prompts,
+    plain and chat (a chat template that puts a special token inside the text)."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
-    from tasks import load_tasks
-    tok = AutoTokenizer.from_pretrained(env["model_dir"])
+    from tasks import format_prompt, load_tasks
+    tok = env["engine"].get_tokenizer()
+    chat = AutoTokenizer.from_pretrained(env["model_dir"])
+    chat.chat_template = "{% for m in messages %}{{ m['content'] }}" + chat.eos_token + "{% endfor %}"
     stream, test = load_tasks(env["cfg"])
     problems = [stream.get(g) for g in range(6)] + test[:6]
+    cases = [(tok, p, "plain") for p in problems] + [(chat, p, "chat") for p in problems[:3]]
     params = SamplingParams(temperature=0.0, max_tokens=2)
     texts = env["loop"].run_until_complete(_gather(*(
-        actor.generate(env["engine"], p.prompt, params, f"text-{i}") for i, p in enumerate(problems))))
-    ids = [actor.prompt_ids(tok, p, "plain") for p in problems]
+        actor.generate(env["engine"], format_prompt(p, t, f), params, f"text-{i}") for i, (t, p, f) in enumerate(cases))))
+    ids = [actor.prompt_ids(t, p, f) for t, p, f in cases]
     assert all(len(i["prompt_token_ids"]) > 1 for i in ids)
+    assert chat.eos_token_id in ids[-1]["prompt_token_ids"]
     assert [t["prompt_ids"].tolist() for t in texts] == [i["prompt_token_ids"] for i in ids]
     again = env["loop"].run_until_complete(_gather(*(
         actor.generate(env["engine"], i, params, f"ids-{k}") for k, i in enumerate(ids))))
