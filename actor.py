@@ -1,28 +1,27 @@
 """Actor: vLLM generation with in-flight weight updates (PipelineRL, arXiv 2509.19128, Algorithm 2).
 
-Consumes: training prompts from tasks.py (a seeded stream; the trainer's store key `cursor` says where to
-  start); new weights over the weight group (weights_sync.py), announced by the store keys `announce/<n>`.
+Consumes: training prompts from tasks.py (a seeded stream, from the trainer's store key `cursor` on); new
+  weights over the weight group (weights_sync.py), announced by the store keys `announce/<n>`.
 Produces: one `rollout` (common.SCHEMAS) per finished sample, ZMQ PUSH to ports.host:ports.rollouts:
-  prompt_ids, completion_ids, logprobs (the behaviour policy μ: log_softmax(logits/temperature) of each
-  sampled token), versions (the version that sampled each token), and the group, task and timing fields;
-  `eval` marks a test-split attempt, graded into eval.jsonl. Metrics `actor/*` in metrics_actor.jsonl.
+  prompt_ids, completion_ids, logprobs (behaviour policy μ: log_softmax(logits/temperature) of each sampled
+  token), versions (the version that sampled each token), group, task and timing fields; `eval` marks a
+  test-split attempt, graded into eval.jsonl. Metrics `actor/*` in metrics_actor.jsonl.
 Run alone (needs trainer.py's store at sync.host:sync.port and a PULL socket):  python actor.py [k=v ...]
-  Exits 0 on SIGTERM/SIGINT or "done"; non-zero when the trainer does not show up within
-  run.peer_timeout_s (naming its address) or goes away. With several actor processes (one per node),
-  ACTOR_PROC_INDEX=p selects this one's weight ranks and prompts (p, p+P, ... after the cursor).
+  Exits 0 on SIGTERM/SIGINT or "done"; non-zero when the trainer is not up within run.peer_timeout_s (naming
+  its address) or goes away. ACTOR_PROC_INDEX=p of P (one per node): weight ranks, prompts cursor+p, +P, ...
 
 Simplifications vs the paper and its code:
-1. Admission control bounds lag by how many samples may start ahead of the trainer (see `admit`);
-   the paper bounds it only implicitly, through H and the trainer's speed (App. A.3).
+1. Admission control bounds lag by how many samples may start ahead of the trainer (`admit`); the paper
+   bounds it only implicitly, through H and the trainer's speed (App. A.3).
 2. A group's `group_size` attempts are independent n=1 requests (finer admission, per-sample push);
    prefix caching is off, so they share no KV (DESIGN.md: stale KV after an update).
-3. Evaluation never holds back an update: its requests run beside training (in actor.max_inflight/4 extra
-   engine slots) across any number of updates, each token labelled with its version; eval.jsonl gives the
-   span of versions behind a score. Only actor process 0 evaluates.
+3. Evaluation (process 0 only) never holds back an update: it runs beside training in max_inflight/4 extra
+   engine slots, across any number of updates; eval.jsonl gives the span of versions behind a score.
 4. Stale KV is kept across an update (the paper's default); actor.recompute_kv=true recomputes it.
 5. Several actor processes split the lag budget evenly (exact for one process; see `admit`).
 """
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -30,16 +29,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 
 import common
 import weights_sync as ws
-from common import log
 from tasks import format_prompt, load_tasks
 
-REPO = Path(__file__).resolve().parent
+REPO = os.path.dirname(os.path.realpath(__file__))
 
 
 class PeerTimeout(RuntimeError):
@@ -50,8 +47,9 @@ class PeerTimeout(RuntimeError):
 
 def engine_args(cfg, proc_index: int = 0):
     """vLLM settings that matter for RL (DESIGN.md, Known traps, all measured on vLLM 0.32)."""
+    import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
-    on_gpu = _on_gpu()
+    on_gpu = torch.cuda.is_available()
     extra = {"tensor_parallel_size": cfg.actor.tp, "gpu_memory_utilization": cfg.actor.gpu_memory_utilization} \
         if on_gpu else {"kv_cache_memory_bytes": int(cfg.actor.kv_cache_gb * 2**30)}
     return AsyncEngineArgs(
@@ -70,71 +68,59 @@ def eval_slots(cfg, proc_index: int = 0) -> int:
     return max(1, cfg.actor.max_inflight // 4) if cfg.actor.eval_every and proc_index == 0 else 0
 
 
-def _on_gpu() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
 def start_engines(cfg, proc_index: int = 0) -> list:
     """actor.engines AsyncLLMs; each sees its own actor.tp GPUs (CPU: one engine on actor.cpu_cores)."""
+    import torch
     from vllm.v1.engine.async_llm import AsyncLLM
-    # vLLM's worker processes import weights_sync by name.
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    engines = []
-    if not _on_gpu():
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # for vLLM's workers
+    if not torch.cuda.is_available():
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores  # one OMP thread per listed core
-        # The model runs inside the engine-core process: a worker process beside it (the mp executor) costs
-        # a start-up (~10 s) and a busy-waited hand-off per decode step (bench_actor_alone: 6.3k -> 6.7k
-        # tokens/s). It is spawned on actor.cpu_cores; this process (request intake, outputs, the loop) then
-        # moves to the other cores, if any, so as not to take turns with the decode steps (issue 12).
+        # The model runs in the engine-core process: a worker process beside it (the mp executor) costs ~10 s
+        # of start-up and a busy-waited hand-off per decode step (bench_actor_alone: 6.3k -> 6.7k tokens/s).
+        # That process is spawned on actor.cpu_cores; this one (request intake, outputs, the loop) then moves
+        # to the other cores, if any, so as not to take turns with the decode steps (issue 12).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # AsyncLLM still runs its engine core apart
-        allowed = os.sched_getaffinity(0)
-        engine_cores = common.cpu_set(cfg.actor.cpu_cores)
+        allowed, engine_cores = os.sched_getaffinity(0), common.cpu_set(cfg.actor.cpu_cores)
         os.sched_setaffinity(0, engine_cores)
         try:
             return [AsyncLLM.from_engine_args(engine_args(cfg, proc_index)) for _ in range(cfg.actor.engines)]
         finally:
             os.sched_setaffinity(0, (allowed - engine_cores) or allowed)
-    import torch
     before = os.environ.get("CUDA_VISIBLE_DEVICES")  # physical ids (run.sh passes them as actor.gpus too)
     gpus = (cfg.actor.gpus or before or ",".join(map(str, range(torch.cuda.device_count())))).split(",")
+    engines = []
     for e in range(cfg.actor.engines):
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[e * cfg.actor.tp:(e + 1) * cfg.actor.tp])
         engines.append(AsyncLLM.from_engine_args(engine_args(cfg, proc_index)))
-    if before is None:
-        os.environ.pop("CUDA_VISIBLE_DEVICES")
-    else:
+    os.environ.pop("CUDA_VISIBLE_DEVICES")
+    if before is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = before
     return engines
 
 
 async def join_weight_group(cfg, engines, proc_index: int = 0):
     """Rank of TP rank k of engine e = 1 + (proc_index*engines + e)*tp + k; rank 0 is trainer rank 0."""
-    s = cfg.sync
-    await asyncio.gather(*(
-        eng.collective_rpc("init_weight_group", timeout=s.timeout_s, args=(
-            s.host, s.port, cfg.weight_world, 1 + (proc_index * cfg.actor.engines + e) * cfg.actor.tp,
-            "auto", s.timeout_s)) for e, eng in enumerate(engines)))
+    s, a = cfg.sync, cfg.actor
+    await asyncio.gather(*(eng.collective_rpc("init_weight_group", timeout=s.timeout_s, args=(
+        s.host, s.port, cfg.weight_world, 1 + (proc_index * a.engines + e) * a.tp, "auto", s.timeout_s))
+        for e, eng in enumerate(engines)))
 
 
 async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float):
     """In-flight update (DESIGN.md) of the broadcast announced as `version` -> (stats, pause_s).
 
-    The four calls go out back to back; each engine core runs them in order between two decode steps:
-    pause (running requests keep their KV), receive and load, label the new version, resume. Nothing
-    decodes in between, so the label is exact (after resume it would mislabel a step), and generation
-    stops only for wire and load. AsyncLLM.pause_generation would add a 20 ms sleep and a round trip
-    (bench/bench_stall.py)."""
-    t0 = time.perf_counter()
-    calls = []
+    The four calls go out back to back; each engine core runs them in order between two decode steps: pause
+    (running requests keep their KV), receive and load, label the new version, resume. Nothing decodes in
+    between, so the label is exact (after resume it would mislabel a step) and generation stops only for
+    wire and load. AsyncLLM.pause_generation would add a 20 ms sleep and a round trip (bench/bench_stall.py)."""
+    t0, calls = time.perf_counter(), []
     for e in engines:  # vLLM 0.32: EngineCoreClient utilities (see weights_sync.VLLM_VERSION)
         calls += [e.engine_core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv),
                   e.collective_rpc("receive_weights", timeout=timeout_s),
                   e.update_weight_version(str(version)), e.engine_core.resume_scheduler_async()]
     results = await asyncio.gather(*calls, return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:  # a rejected update (ManifestError) leaves the old weights running: the actor stops
-        raise errors[0]
+    if errors := [r for r in results if isinstance(r, BaseException)]:
+        raise errors[0]  # a rejected update (ManifestError) leaves the old weights running: the actor stops
     stats = [s for r in results[1::4] for s in r]  # one dict per worker: version, wire_s, load_s, bytes
     if any(s["version"] != version for s in stats):
         raise RuntimeError(f"announced version {version}, received {[s['version'] for s in stats]}")
@@ -142,13 +128,11 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
 
 
 def sampling_params(cfg, temperature: float, top_p: float = 1.0):
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-    # The finished request only, ids without text (the verifier decodes), logprobs as flat floats: the
-    # front-end's per-token work is what the engine's core pays for in a run (DESIGN.md: 4.5k -> 5.4k tok/s).
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    # The finished request only, ids without text (the verifier decodes), the sampled token's logprob as flat
+    # floats: the front-end's per-token work costs the engine core in a run (DESIGN.md: 4.5k -> 5.4k tok/s).
     return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=cfg.actor.max_tokens,
-                          logprobs=0, flat_logprobs=True, detokenize=False,  # logprobs=0: the sampled token's
-                          output_kind=RequestOutputKind.FINAL_ONLY)
+                          logprobs=0, flat_logprobs=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def prompt_ids(tokenizer, problem, prompt_format: str) -> dict:
@@ -170,17 +154,16 @@ async def generate(engine, prompt, params, request_id: str) -> dict:
     versions = np.full(len(ids), -1, dtype=np.int32)
     for span in c.weight_versions or []:  # exact per-token labels, also across in-flight updates
         versions[span.start:span.end] = int(span.version)
-    return {"prompt_ids": np.asarray(out.prompt_token_ids, dtype=np.int32), "completion_ids": ids,
-            "logprobs": logprobs, "versions": versions,
-            "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time()}
+    return {"prompt_ids": np.asarray(out.prompt_token_ids, dtype=np.int32), "completion_ids": ids, "logprobs": logprobs,
+            "versions": versions, "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time()}
 
 
 # --- announcements: a thread blocks on the store, the loop is woken -----------------------------------------
 
 class Announcements:
-    """Waits (in a thread, on its own store connection: no polling) for `announce/<n>`, n = first, first+1,
-    ...; `pending` lists the values not yet handled, oldest first (each version is one broadcast the
-    engines must join; "done" ends the run). `error`: the store's master (trainer rank 0) went away."""
+    """Waits in a thread, on its own store connection (no polling), for `announce/<n>`, n = first, first+1, ...
+    `pending`: values not yet handled, oldest first (a version is one broadcast the engines must join; "done"
+    ends the run). `error`: the store's master (trainer rank 0) went away."""
 
     def __init__(self, cfg, first: int, loop, wake: asyncio.Event):
         self.pending, self.error, self.next, self.loop, self.wake = [], None, first, loop, wake
@@ -199,11 +182,9 @@ class Announcements:
             self._tell(setattr, self, "error", e)
 
     def _tell(self, *call):
-        try:
+        with contextlib.suppress(RuntimeError):  # the actor ended first: its loop is closed, no one to tell
             self.loop.call_soon_threadsafe(*call)
             self.loop.call_soon_threadsafe(self.wake.set)
-        except RuntimeError:  # the actor ended first: its loop is closed, there is no one left to tell
-            pass
 
 
 # --- actor state and admission control --------------------------------------------------------------------
@@ -220,48 +201,38 @@ class ActorState:
     pushed: int = 0
     inflight: int = 0           # training samples being generated
     groups: dict = field(default_factory=dict)  # group_id -> [start version, samples not yet finished]
-    per_engine: list = field(default_factory=list)
     updates: int = 0
     blocked_s: float = 0.0      # time the lag budget, not capacity, kept free slots empty
     error: BaseException = None
     window: dict = field(default_factory=dict)  # metrics since the last log line
 
-    def u_min(self) -> int:
-        """Smallest start version among groups in flight (the current version when none is)."""
-        return min((g[0] for g in self.groups.values()), default=self.version)
-
 
 def admit(cfg, st: ActorState, procs: int) -> bool:
     """May one more group of group_size samples start now without any token exceeding actor.max_lag?
 
-    The lag argument (pipeline). The trainer consumes B samples per step in arrival order, so after
-    version v it has consumed (v - v0)*B of the samples this actor delivered (v0: version at start); a
-    token pushed in the k-th consumed sample (0-based) is trained on by version v0 + floor(k/B). Admit
-    while started - dropped + group_size <= (u_min - v0 + max_lag + 1)*B, u_min the oldest start version
-    in flight. A group G started at version u stays in flight until its last sample finishes, so every
-    group admitted while G runs was admitted under a budget <= (u - v0 + max_lag + 1)*B; when G
-    completes (the verifier forwards whole groups), fewer samples than that were delivered before it, so
-    G's samples are consumed at index k < (u - v0 + max_lag + 1)*B, i.e. by version <= u + max_lag, and
-    all G's tokens were sampled by versions >= u: lag <= max_lag. A dropped sample (a zero-advantage group
-    the verifier drops, a malformed one) is never consumed, so it is given back (`dropped`; one learnt
-    late only made admission more cautious meanwhile). Nothing stalls: when the budget is spent, the
-    groups in flight finish, u_min becomes the current version v, and the budget covers the (v - v0 + 1)*B
-    samples the trainer needs for its next step. P actor processes take B/P each (common.validate: whole
-    groups): exact for P=1, approximate when processes run at different speeds.
-    Conventional: B*G_steps samples delivered per RL step (B*(G_steps - version % G_steps) for the first
-    after resuming mid-RL-step), then wait for the next weights.
-    """
+    Pipeline: admit while started - dropped + group_size <= (u_min - v0 + max_lag + 1)*B (v0: first version,
+    u_min: oldest start version in flight). The trainer consumes B samples a step in arrival order, so this
+    actor's k-th consumed sample (0-based) is trained on by version v0 + floor(k/B). A group started at
+    version u is in flight until its last sample arrives (the verifier forwards whole groups), so every
+    admission up to then, its own included, saw u_min <= u: at most (u - v0 + max_lag + 1)*B samples arrive
+    by then, so it is trained on by version <= u + max_lag, and its tokens were sampled by versions >= u.
+    A dropped sample is never consumed, so it is given back (`dropped`; learnt late, it only made admission
+    more cautious). Nothing stalls: once the groups in flight finish, u_min is the current version v and the
+    budget covers the (v - v0 + 1)*B samples of the trainer's next step. P actor processes take B/P each
+    (whole groups: common.validate): exact for P=1, approximate when they run at different speeds.
+    Conventional: B*G_steps samples per RL step (B*(G_steps - version % G_steps) for the first after
+    resuming mid-RL-step), then wait for the next weights."""
     a, B, gs = cfg.actor, cfg.trainer.batch_size, cfg.actor.group_size
     if a.schedule == "conventional":
-        return st.started - (st.dropped - st.dropped_at_update) + gs <= B * (a.G_steps - st.version % a.G_steps) // procs
-    return st.started - st.dropped + gs <= (st.u_min() - st.first_version + a.max_lag + 1) * B // procs
+        return st.started + st.dropped_at_update - st.dropped + gs <= B * (a.G_steps - st.version % a.G_steps) // procs
+    u_min = min((g[0] for g in st.groups.values()), default=st.version)
+    return st.started - st.dropped + gs <= (u_min - st.first_version + a.max_lag + 1) * B // procs
 
 
 # --- the loop (Algorithm 2) ------------------------------------------------------------------------------
 
 class Actor:
-    """The loop's pieces; `run` is Algorithm 2: take new weights, evaluate when due, keep H sequences in
-    progress within the lag budget, log; sleep until a sample finishes or weights are announced."""
+    """`run` is Algorithm 2, top to bottom; the other methods are its steps."""
 
     def __init__(self, cfg, engines, store, proc_index, st):
         import zmq.asyncio
@@ -273,18 +244,17 @@ class Actor:
         self.push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
         self.params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
         self.wake, self.tasks, self.eval_task, self.last_eval, self.updating = asyncio.Event(), set(), None, None, None
-        self.updates_window, self.last_log, self.blocked_at_log, self.drops_checked = [], time.time(), 0.0, 0.0
-        self.stalls_window = []  # (the engine's stall, wire + load) per update
-        st.per_engine = [0] * len(engines)
+        self.last_log, self.last_tick, self.blocked_at_log, self.drops_checked = time.time(), None, 0.0, 0.0
+        self.updates_window, self.stalls_window = [], []  # per update: (pause, wire, load), (stall, wire + load)
+        self.per_engine = [0] * len(engines)  # training samples in flight on each engine
 
     async def run(self, stop: asyncio.Event) -> ActorState:
         cfg, st = self.cfg, self.st
         announcements = await self.first_weights()
         while not stop.is_set():
-            for error in (st.error, announcements.error, self.eval_task and self.eval_task.done() and
-                          self.eval_task.exception()):
-                if error:
-                    raise error
+            eval_error = self.eval_task and self.eval_task.done() and self.eval_task.exception()
+            if error := st.error or announcements.error or eval_error:
+                raise error
             if announcements.pending[:1] == ["done"]:  # the trainer's last step: a normal end
                 await (self.updating or asyncio.sleep(0))
                 self.store.add("done_ack", 1)  # the trainer keeps its store up until every actor has seen this
@@ -296,10 +266,8 @@ class Actor:
             # --- sleep until a sample finishes, weights are announced, or a tick passes ---
             self.wake.clear()
             waiting = blocked or (cfg.actor.schedule == "conventional" and not st.inflight)  # look at drops soon
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout=0.05 if waiting else cfg.run.log_every)
-            except asyncio.TimeoutError:
-                pass
         for t in [x for x in (self.eval_task, self.updating) if x] + list(self.tasks):  # evaluation first: it
             t.cancel()  # would start more requests
             await asyncio.gather(t, return_exceptions=True)
@@ -308,8 +276,7 @@ class Actor:
 
     async def first_weights(self) -> Announcements:
         """Block until the trainer's newest announced version is loaded (or a reused engine holds it)."""
-        cfg, st, store = self.cfg, self.st, self.store
-        deadline = time.time() + cfg.run.peer_timeout_s
+        cfg, st, store, deadline = self.cfg, self.st, self.store, time.time() + self.cfg.run.peer_timeout_s
         while not (store.check(["cursor"]) and (n := int(store.add("announced", 0))) >= 1):  # cursor, version 0
             if time.time() > deadline:
                 raise PeerTimeout(f"no weights announced by the trainer at {cfg.sync.host}:{cfg.sync.port} "
@@ -318,37 +285,33 @@ class Actor:
         self.next_group = int(store.get("cursor")) + self.proc
         announced = int(store.get(f"announce/{n}"))  # (get waits while the trainer is between its two writes)
         loaded = await self.engines[0].get_weight_version()
-        if loaded is not None and loaded.isdigit() and int(loaded) >= announced:  # a reused engine holds it
-            st.version = int(loaded)
-        else:  # the newest announcement's broadcast is waiting for us
-            st.version = announced
+        reused = loaded is not None and loaded.isdigit() and int(loaded) >= announced  # it holds the version
+        st.version = st.first_version = int(loaded) if reused else announced
+        if not reused:  # the newest announcement's broadcast is waiting for us
             await update_weights(self.engines, announced, cfg.actor.recompute_kv, cfg.sync.timeout_s)
-        st.first_version = st.version
         return Announcements(cfg, n + 1, asyncio.get_running_loop(), self.wake)
 
     def update(self, pending: list):
         """Take every announced broadcast, in order, in a task of its own: the loop goes on admitting
         meanwhile (requests added during the pause wait in the engine). Conventional: between RL steps."""
-        if self.updating is not None and not self.updating.done():
-            return
-        if self.updating is not None:
-            self.updating.result()  # surface errors
-        if pending and pending[0] != "done" and (self.cfg.actor.schedule == "pipeline" or self.st.inflight == 0):
+        if self.updating is not None and self.updating.done():
+            self.updating = self.updating.result()  # raises its error, else None: no update in progress
+        if self.updating is None and pending and pending[0] != "done" and (
+                self.cfg.actor.schedule == "pipeline" or self.st.inflight == 0):
             self.updating = asyncio.create_task(self._take(pending))
 
     async def _take(self, pending: list):
+        cfg, st = self.cfg, self.st
         while pending and pending[0] != "done":
             version = int(pending.pop(0))
-            stats, pause_s = await update_weights(self.engines, version, self.cfg.actor.recompute_kv,
-                                                  self.cfg.sync.timeout_s)
-            self.st.version, self.st.updates = version, self.st.updates + 1
+            stats, pause_s = await update_weights(self.engines, version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
+            st.version, st.updates = version, st.updates + 1
             self.updates_window.append((pause_s, max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
             stalls = [(s["prev_stall_s"], s["prev_wire_load_s"]) for s in stats  # the previous update's
                       if s["prev_stall_s"] is not None and s["prev_wire_load_s"] is not None]
-            if stalls:
-                self.stalls_window.append(max(stalls))
-            if self.cfg.actor.schedule == "conventional":
-                self.st.started, self.st.dropped_at_update = 0, self.st.dropped
+            self.stalls_window += [max(stalls)] if stalls else []
+            if cfg.actor.schedule == "conventional":
+                st.started, st.dropped_at_update = 0, st.dropped
         self.wake.set()
 
     def evaluate(self):
@@ -362,52 +325,47 @@ class Actor:
 
     async def _evaluation(self, version):
         params = sampling_params(self.cfg, self.cfg.actor.eval_temperature)
-        slots, mine = asyncio.Semaphore(eval_slots(self.cfg)), []
-        for i, p in enumerate(self.test):
-            await slots.acquire()
-            prompt = prompt_ids(self.tokenizer, p, self.cfg.data.prompt_format)
-            mine.append(asyncio.create_task(self.sample(i % len(self.engines), p, prompt, version, i, params, slots)))
-        await asyncio.gather(*mine)
+        slots = asyncio.Semaphore(eval_slots(self.cfg))  # the engine slots set aside for evaluation
+        async def attempt(i, p):
+            async with slots:
+                prompt = prompt_ids(self.tokenizer, p, self.cfg.data.prompt_format)
+                await self.sample(i % len(self.engines), p, prompt, version, i, params, evaluation=True)
+        await asyncio.gather(*(attempt(i, p) for i, p in enumerate(self.test)))
 
     def admit_groups(self) -> bool:
         """Start groups while there are free slots (H per engine) and the lag budget allows (`admit`).
         -> whether the budget, not capacity, held a slot empty."""
-        cfg, st, now, blocked = self.cfg, self.st, time.time(), False
+        cfg, st, now, blocked, gs = self.cfg, self.st, time.time(), False, self.cfg.actor.group_size
         if cfg.actor.schedule == "conventional" and self.updating is not None and not self.updating.done():
             return False  # one policy per RL step: nothing starts while the weights change
-        while st.inflight + cfg.actor.group_size <= cfg.actor.max_inflight * len(self.engines):
+        while st.inflight + gs <= cfg.actor.max_inflight * len(self.engines):
+            if not admit(cfg, st, cfg.actor_procs) and now - self.drops_checked > 0.05:  # spent: any given back?
+                self.drops_checked, st.dropped = now, int(self.store.add(f"dropped/{self.proc}", 0))
             if not admit(cfg, st, cfg.actor_procs):
-                if now - self.drops_checked > 0.05:  # budget spent: samples given back since we last looked?
-                    self.drops_checked = now
-                    st.dropped = int(self.store.add(f"dropped/{self.proc}", 0))
-                    if admit(cfg, st, cfg.actor_procs):
-                        continue
                 blocked = cfg.actor.schedule == "pipeline"
                 break
             gid, self.next_group = self.next_group, self.next_group + cfg.actor_procs
             problem = self.stream.get(gid)
             prompt = prompt_ids(self.tokenizer, problem, cfg.data.prompt_format)  # once per group
-            e = min(range(len(self.engines)), key=lambda i: st.per_engine[i])
-            st.groups[gid] = [st.version, cfg.actor.group_size]
-            for k in range(cfg.actor.group_size):
-                st.inflight, st.per_engine[e] = st.inflight + 1, st.per_engine[e] + 1
-                self.tasks.add(asyncio.create_task(self.sample(e, problem, prompt, gid, k, self.params)))
-            st.started += cfg.actor.group_size
-            st.started_total += cfg.actor.group_size
+            e = min(range(len(self.engines)), key=lambda i: self.per_engine[i])
+            st.groups[gid] = [st.version, gs]
+            self.tasks.update(asyncio.create_task(self.sample(e, problem, prompt, gid, k, self.params))
+                              for k in range(gs))
+            st.inflight, st.started, st.started_total = st.inflight + gs, st.started + gs, st.started_total + gs
+            self.per_engine[e] += gs
         self.tasks = {t for t in self.tasks if not t.done()}
-        st.blocked_s += (now - getattr(self, "last_tick", now)) if blocked else 0.0
+        st.blocked_s += (now - (self.last_tick or now)) if blocked else 0.0
         self.last_tick = now
         return blocked
 
-    async def sample(self, e, problem, prompt, gid, k, params, eval_slots_=None):
+    async def sample(self, e, problem, prompt, gid, k, params, evaluation=False):
         """One attempt: generate (across any number of updates), push, release its slot."""
-        st, evaluation = self.st, eval_slots_ is not None
+        st = self.st
         try:
             r = await generate(self.engines[e], prompt, params, f"{self.proc}-{'e' if evaluation else 'g'}{gid}-{k}")
             header = {"group_id": gid, "sample_idx": k, "task": problem.task, "answer": problem.answer,
                       "group_size": len(self.test) if evaluation else self.cfg.actor.group_size, "proc": self.proc,
-                      "finish_reason": r["finish_reason"], "t_start": r["t_start"], "t_end": r["t_end"],
-                      "eval": evaluation}
+                      **{n: r[n] for n in ("finish_reason", "t_start", "t_end")}, "eval": evaluation}
             await self.push.send_multipart(common.encode(header, {n: r[n] for n in common.SCHEMAS["rollout"][1]}),
                                            copy=False)
             w = st.window  # this log line's (the loop replaces it after each line)
@@ -418,10 +376,8 @@ class Actor:
         except Exception as ex:  # noqa: BLE001 - the loop raises it
             st.error = ex
         finally:
-            if evaluation:
-                eval_slots_.release()
-            else:
-                st.inflight, st.per_engine[e] = st.inflight - 1, st.per_engine[e] - 1
+            if not evaluation:
+                st.inflight, self.per_engine[e] = st.inflight - 1, self.per_engine[e] - 1
                 st.groups[gid][1] -= 1
                 if st.groups[gid][1] == 0:
                     del st.groups[gid]
@@ -431,32 +387,28 @@ class Actor:
         now, st = time.time(), self.st
         if now - self.last_log < self.cfg.run.log_every:
             return
-        # Heartbeat and progress, for the trainer's "waiting for" message (trainer.waiting_for).
-        self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")
+        self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")  # both keys: trainer.waiting_for
         self.store.set(f"started/{self.proc}", str(st.started_total))
         w, dt = st.window, now - self.last_log
         lags = np.concatenate(w.get("lags", []) + [np.zeros(0, np.int32)])  # [tokens pushed in this window]
         u, g = np.array(self.updates_window).reshape(-1, 3), np.array(self.stalls_window).reshape(-1, 2)
-        log("actor", {"tokens_per_s": len(lags) / dt, "samples_per_s": len(w.get("lags", [])) / dt,
-                      "engine_tokens_per_s": w.get("engine_tokens", 0) / dt, "inflight": st.inflight,
-                      "version": st.version, "updates": st.updates, "lag_min": int(lags.min()) if len(lags) else 0,
-                      "lag_max": int(lags.max(initial=0)), "lag_mean": float(lags.sum()) / max(1, len(lags)),
-                      "pause_s_mean": float(u[:, 0].mean()) if len(u) else 0.0,
-                      "pause_s_max": float(u[:, 0].max(initial=0.0)),
-                      "update_wire_s": float(u[:, 1].mean()) if len(u) else 0.0,
-                      "update_load_s": float(u[:, 2].mean()) if len(u) else 0.0,
-                      # the engine's own gap between decode steps around an update, and its wire + load
-                      "update_stall_s": float(g[:, 0].mean()) if len(g) else None,
-                      "update_stall_wire_load_s": float(g[:, 1].mean()) if len(g) else None,
-                      "admission_blocked_s": st.blocked_s - self.blocked_at_log, "started": st.started_total,
-                      "pushed": st.pushed, "dropped": st.dropped}, step=st.version)
+        mean = lambda x, empty=0.0: float(x.mean()) if len(x) else empty  # noqa: E731
+        common.log("actor", {
+            "tokens_per_s": len(lags) / dt, "samples_per_s": len(w.get("lags", [])) / dt,
+            "engine_tokens_per_s": w.get("engine_tokens", 0) / dt, "inflight": st.inflight, "version": st.version,
+            "updates": st.updates, "lag_min": int(lags.min()) if len(lags) else 0, "lag_max": int(lags.max(initial=0)),
+            "lag_mean": mean(lags), "pause_s_mean": mean(u[:, 0]), "pause_s_max": float(u[:, 0].max(initial=0.0)),
+            "update_wire_s": mean(u[:, 1]), "update_load_s": mean(u[:, 2]),
+            # the engine's own gap between decode steps around an update, and its wire + load
+            "update_stall_s": mean(g[:, 0], None), "update_stall_wire_load_s": mean(g[:, 1], None),
+            "admission_blocked_s": st.blocked_s - self.blocked_at_log, "started": st.started_total,
+            "pushed": st.pushed, "dropped": st.dropped}, step=st.version)
         st.window, self.updates_window, self.stalls_window = {}, [], []
         self.blocked_at_log, self.last_log = st.blocked_s, now
 
 
 async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0, st: ActorState = None):
-    """Generate until `stop` is set or the trainer announces "done"; returns the state (the engines must
-    have joined the weight group)."""
+    """Generate until `stop` is set or the trainer announces "done" (engines in the weight group) -> the state."""
     return await Actor(cfg, engines, store, proc_index, st or ActorState()).run(stop)
 
 
@@ -465,11 +417,9 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
 async def amain(cfg, store) -> int:
     import torch.distributed
     proc_index = int(os.environ.get("ACTOR_PROC_INDEX", "0"))
-    engines = start_engines(cfg, proc_index)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+    engines, stop = start_engines(cfg, proc_index), asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
         await join_weight_group(cfg, engines, proc_index)
         await run_actor(cfg, engines, store, stop, proc_index)

@@ -1,14 +1,12 @@
 """What the roles share: the config, the wire format, metrics and the run directory's start-up record.
 
-- Config: config.yaml is the one place a default lives; each section becomes a frozen dataclass typed by
-  its values. `section.key=value` overrides and overlay files (`configs/x.yaml`) apply in order; unknown
-  keys, wrong types and impossible combinations raise `ConfigError` naming the key.
-- Wire format (DESIGN.md): a ZMQ multipart message, frame 0 a UTF-8 JSON header whose `arrays` lists
-  `{name, dtype, shape}` of each following raw frame, checked against SCHEMAS (non-finite numbers
-  included). Malformed input raises `WireError`: roles drop it, log it and count it. No pickle anywhere.
-- Metrics: `log(role, metrics, step)`: a one-line summary on stdout and a JSONL record in
-  <run.dir>/metrics_<role>.jsonl (mirrored to W&B when run.wandb and the package are there).
+- Config: config.yaml holds every default, one frozen dataclass per section; unknown keys, wrong types and
+  impossible combinations raise ConfigError naming the key.
+- Wire (DESIGN.md): frame 0 a JSON header listing the raw array frames after it, checked against SCHEMAS (non-
+  finite numbers too); a malformed message raises WireError: roles drop, log and count it. No pickle anywhere.
+- Metrics: `log` to stdout, <run.dir>/metrics_<role>.jsonl and, with run.wandb, W&B.
 """
+import contextlib
 import dataclasses
 import json
 import math
@@ -56,23 +54,12 @@ MINIMUMS = {"actor": dict(engines=1, tp=1, group_size=1, max_inflight=1, G_steps
             "verifier": dict(workers=1, overlong_buffer=0), "data": dict(test_size=1)}
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    run: SECTIONS["run"]
-    model: SECTIONS["model"]
-    data: SECTIONS["data"]
-    actor: SECTIONS["actor"]
-    verifier: SECTIONS["verifier"]
-    trainer: SECTIONS["trainer"]
-    sync: SECTIONS["sync"]
-    ports: SECTIONS["ports"]
-
-    # --- derived values: computed here and nowhere else ---
+class _Derived:
+    # --- Config's derived values: computed here and nowhere else ---
     @property
     def run_dir(self) -> Path:
         """run.sh always passes an explicit run.dir; a role started alone without one uses runs/standalone."""
-        d = self.run.dir or "runs/standalone"
-        return (REPO / d) if not os.path.isabs(d) else Path(d)
+        return REPO / (self.run.dir or "runs/standalone")  # an absolute run.dir replaces REPO
 
     @property
     def model_path(self) -> str:
@@ -85,10 +72,6 @@ class Config:
         return self.model.dtype if self.model.dtype != "auto" else ("bfloat16" if cuda else "float32")
 
     @property
-    def trainer_world(self) -> int:
-        return self.trainer.nproc * self.trainer.nnodes
-
-    @property
     def actor_procs(self) -> int:
         """One actor.py per node after the trainer's nodes; on a single node, one."""
         return max(1, int(os.environ.get("NNODES", "1")) - self.trainer.nnodes)
@@ -98,33 +81,26 @@ class Config:
         """Weight group: trainer rank 0 + every vLLM worker of every engine of every actor process."""
         return 1 + self.actor_procs * self.actor.engines * self.actor.tp
 
-    @property
-    def samples_per_version(self) -> int:
-        """Samples one policy version generates: B, or B * G_steps in the conventional schedule."""
-        return self.trainer.batch_size * (self.actor.G_steps if self.actor.schedule == "conventional" else 1)
+
+# One frozen field per config.yaml section (cfg.run, cfg.actor, ...), with _Derived's values.
+Config = dataclasses.make_dataclass("Config", list(SECTIONS.items()), bases=(_Derived,), frozen=True)
 
 
 def _coerce(key: str, value, default):
     """A YAML value checked against the type of config.yaml's default for the key."""
     typ = type(default)
     if typ is float and isinstance(value, str):  # YAML 1.1 reads `3e-5` (no dot) as a string
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if typ is bool and isinstance(value, bool) or typ is int and number and isinstance(value, int):
-        return value
-    if typ is float and number:
-        return float(value)
-    if typ is str and (number or isinstance(value, str)):
-        return str(value)
+    if (typ is bool and isinstance(value, bool) or typ is int and number and isinstance(value, int)
+            or typ is float and number or typ is str and (number or isinstance(value, str))):
+        return typ(value)
     if typ is list and isinstance(value, (list, tuple)) and len(value) == len(default) and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
         return tuple(float(v) for v in value)
-    what = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-            list: f"a list of {len(default) if typ is list else 0} numbers"}
-    raise ConfigError(f"{key}: expected {what[typ]}, got {value!r}")
+    what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    raise ConfigError(f"{key}: expected {what.get(typ) or f'a list of {len(default)} numbers'}, got {value!r}")
 
 
 def load_config(overrides=(), path=None) -> Config:
@@ -133,25 +109,25 @@ def load_config(overrides=(), path=None) -> Config:
     raw = {name: dict(values) for name, values in DEFAULTS.items()}
     layers = [_read_yaml(path)] if path else []
     for item in overrides:
-        if "=" not in item and item.endswith(".yaml"):
+        dotted, eq, value = item.partition("=")
+        if not eq and item.endswith(".yaml"):
             layers.append(_read_yaml(item))
-            continue
-        dotted, _, value = item.partition("=")
-        if "=" not in item or "." not in dotted:
+        elif not eq or "." not in dotted:
             raise ConfigError(f"override {item!r}: expected section.key=value, e.g. trainer.lr=3e-5")
-        try:
-            parsed = yaml.safe_load(value) if value != "" else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: cannot parse value: {e}") from e
-        section, key = dotted.split(".", 1)
-        layers.append({section: {key: parsed}})
+        else:
+            section, key = dotted.split(".", 1)
+            try:
+                layers.append({section: {key: yaml.safe_load(value) if value != "" else ""}})
+            except yaml.YAMLError as e:
+                raise ConfigError(f"override {item!r}: cannot parse value: {e}") from e
     for layer in layers:
         for section, values in layer.items():
             if section not in SECTIONS:
                 raise ConfigError(f"unknown section {section!r}; allowed: {', '.join(SECTIONS)}")
             for key, value in values.items():
                 if key not in raw[section]:
-                    raise ConfigError(f"unknown key '{section}.{key}'; allowed in [{section}]: {', '.join(raw[section])}")
+                    raise ConfigError(f"unknown key '{section}.{key}'; allowed in [{section}]: "
+                                      f"{', '.join(raw[section])}")
                 raw[section][key] = value
     cfg = Config(**{name: cls(**{k: _coerce(f"{name}.{k}", raw[name][k], DEFAULTS[name][k]) for k in raw[name]})
                     for name, cls in SECTIONS.items()})
@@ -162,45 +138,43 @@ def load_config(overrides=(), path=None) -> Config:
 def validate(cfg: Config):
     """Impossible combinations fail here, before any process starts."""
     for (sec, key), allowed in CHOICES.items():
-        if getattr(getattr(cfg, sec), key) not in allowed:
-            raise ConfigError(f"{sec}.{key}={getattr(getattr(cfg, sec), key)!r}; allowed: {', '.join(allowed)}")
+        if (value := getattr(getattr(cfg, sec), key)) not in allowed:
+            raise ConfigError(f"{sec}.{key}={value!r}; allowed: {', '.join(allowed)}")
     for sec, bounds in MINIMUMS.items():
         for key, low in bounds.items():
-            if getattr(getattr(cfg, sec), key) < low:
-                raise ConfigError(f"{sec}.{key}={getattr(getattr(cfg, sec), key)}: must be >= {low}")
-    a, t = cfg.actor, cfg.trainer
-    if t.batch_size % a.group_size:
-        raise ConfigError(f"trainer.batch_size={t.batch_size} must be a multiple of "
-                          f"actor.group_size={a.group_size} (only complete groups are trained on)")
-    if cfg.samples_per_version % (cfg.actor_procs * a.group_size):
-        key = "trainer.batch_size*actor.G_steps" if a.schedule == "conventional" else "trainer.batch_size"
-        raise ConfigError(f"{key}={cfg.samples_per_version} must split into whole groups of actor.group_size="
-                          f"{a.group_size} over the {cfg.actor_procs} actor processes (NNODES - trainer.nnodes): "
-                          f"each process starts an equal share")
-    if t.batch_size % cfg.trainer_world:
-        raise ConfigError(f"trainer.batch_size={t.batch_size} must be divisible by the trainer ranks "
-                          f"(trainer.nproc*trainer.nnodes={cfg.trainer_world})")
-    if a.temperature <= 0:
-        raise ConfigError(f"actor.temperature={a.temperature}: must be > 0 (the trainer divides logits by it)")
-    if not 0 < a.top_p <= 1:
-        raise ConfigError(f"actor.top_p={a.top_p}: must be in (0, 1]")
-    if t.lr <= 0 or t.is_clamp <= 0 or cfg.sync.bucket_mb <= 0:
-        raise ConfigError("trainer.lr, trainer.is_clamp and sync.bucket_mb must be > 0")
-    if a.schedule == "conventional" and a.max_lag < a.G_steps - 1:
-        raise ConfigError(f"actor.max_lag={a.max_lag} < actor.G_steps-1={a.G_steps - 1}: conventional RL "
-                          f"trains G_steps batches on one version, so its lag reaches G_steps-1")
-    if a.schedule == "pipeline" and a.G_steps != 1:
-        raise ConfigError("actor.G_steps applies to actor.schedule=conventional only; leave it at 1")
-    if cfg.data.task == "math" and not cfg.data.train_path:
-        raise ConfigError("data.task=math needs data.train_path (a JSONL file or an HF dataset name)")
-    if not 1 <= cfg.data.min_digits <= cfg.data.max_digits <= 9:
-        raise ConfigError("data.min_digits/max_digits: need 1 <= min_digits <= max_digits <= 9")
+            if (value := getattr(getattr(cfg, sec), key)) < low:
+                raise ConfigError(f"{sec}.{key}={value}: must be >= {low}")
+    a, t, d, conventional = cfg.actor, cfg.trainer, cfg.data, cfg.actor.schedule == "conventional"
+    ranks = t.nproc * t.nnodes
+    per_version = t.batch_size * (a.G_steps if conventional else 1)  # samples one policy version generates
+    batch_key = "trainer.batch_size*actor.G_steps" if conventional else "trainer.batch_size"
+    for broken, message in (  # checked in order: the first broken rule names its keys
+            (t.batch_size % a.group_size, f"trainer.batch_size={t.batch_size} must be a multiple of "
+             f"actor.group_size={a.group_size} (only complete groups are trained on)"),
+            (per_version % (cfg.actor_procs * a.group_size), f"{batch_key}={per_version} must split into whole "
+             f"groups of actor.group_size={a.group_size} over the {cfg.actor_procs} actor processes "
+             f"(NNODES - trainer.nnodes): each process starts an equal share"),
+            (t.batch_size % ranks, f"trainer.batch_size={t.batch_size} must be divisible by the trainer ranks "
+             f"(trainer.nproc*trainer.nnodes={ranks})"),
+            (a.temperature <= 0, f"actor.temperature={a.temperature}: must be > 0 (the trainer divides logits by it)"),
+            (not 0 < a.top_p <= 1, f"actor.top_p={a.top_p}: must be in (0, 1]"),
+            (t.lr <= 0 or t.is_clamp <= 0 or cfg.sync.bucket_mb <= 0,
+             "trainer.lr, trainer.is_clamp and sync.bucket_mb must be > 0"),
+            (conventional and a.max_lag < a.G_steps - 1, f"actor.max_lag={a.max_lag} < actor.G_steps-1="
+             f"{a.G_steps - 1}: conventional RL trains G_steps batches on one version, so its lag reaches G_steps-1"),
+            (a.schedule == "pipeline" and a.G_steps != 1,
+             "actor.G_steps applies to actor.schedule=conventional only; leave it at 1"),
+            (d.task == "math" and not d.train_path,
+             "data.task=math needs data.train_path (a JSONL file or an HF dataset name)"),
+            (not 1 <= d.min_digits <= d.max_digits <= 9,
+             "data.min_digits/max_digits: need 1 <= min_digits <= max_digits <= 9")):
+        if broken:
+            raise ConfigError(message)
 
 
 def config_to_dict(cfg: Config) -> dict:
-    d = dataclasses.asdict(cfg)
-    d["trainer"]["betas"] = list(d["trainer"]["betas"])
-    return d
+    return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
+            for name, section in dataclasses.asdict(cfg).items()}
 
 
 def parse_argv(argv=None) -> Config:
@@ -288,12 +262,8 @@ def decode(frames: list, kind: str = None):
         if buf.nbytes != expected:
             raise WireError(f"array {name!r}: {buf.nbytes} bytes, expected {expected} for {dtype}{shape}")
         arrays[name] = np.frombuffer(buf, dtype=_DTYPES[dtype]).reshape(shape)
-    if kind is not None:
-        check_schema(kind, header, arrays)
-    return header, arrays
-
-
-def check_schema(kind: str, header: dict, arrays: dict):
+    if kind is None:
+        return header, arrays
     fields, array_dtypes = SCHEMAS[kind]
     for key, typ in fields.items():
         if key not in header:
@@ -313,6 +283,7 @@ def check_schema(kind: str, header: dict, arrays: dict):
         raise WireError(f"{kind}: logprobs/versions must have one entry per completion token ({n})")
     if not 0 <= header["sample_idx"] < header["group_size"]:
         raise WireError(f"{kind}: sample_idx {header['sample_idx']} outside group of {header['group_size']}")
+    return header, arrays
 
 
 def send(sock, header: dict, arrays: dict):
@@ -342,7 +313,7 @@ _log_state = {}
 def setup_logging(cfg: Config, role: str):
     """Once per role: JSONL file in the run directory (appended on resume), optional W&B."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    state = {"file": open(cfg.run_dir / f"metrics_{role}.jsonl", "a", buffering=1), "wandb": None}
+    _log_state[role] = state = {"file": open(cfg.run_dir / f"metrics_{role}.jsonl", "a", buffering=1), "wandb": None}
     if cfg.run.wandb:
         try:
             import wandb
@@ -350,14 +321,12 @@ def setup_logging(cfg: Config, role: str):
                                         name=f"{cfg.run_dir.name}-{role}", config=config_to_dict(cfg), resume="allow")
         except ImportError:
             print(f"[{role}] run.wandb=true but the wandb package is not installed: JSONL only", flush=True)
-    _log_state[role] = state
 
 
 def log(role: str, metrics: dict, step: int):
-    """One-line summary on stdout + a JSONL record; keys are namespaced `role/`."""
+    """One-line summary on stdout + a JSONL record in <run.dir>/metrics_<role>.jsonl; keys namespaced `role/`."""
     record = {(k if "/" in k else f"{role}/{k}"): (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
-    state = _log_state.get(role)
-    if state is not None:
+    if state := _log_state.get(role):
         state["file"].write(json.dumps({"step": step, "time": time.time(), **record}) + "\n")
         if state["wandb"] is not None:
             state["wandb"].log(record, step=step)
@@ -368,11 +337,8 @@ def log(role: str, metrics: dict, step: int):
 
 def read_jsonl(path) -> list:
     """Records of a metrics file; a torn last line (a killed writer) is skipped."""
-    out = []
-    if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
+    records = []
+    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records

@@ -16,10 +16,9 @@ Notation (shapes: B sequences, T completion tokens, V vocab):
   (6) ESS   = (Σ w)² / (N_tok Σ w²)  over all N_tok masked tokens of a step, w from (4)   paper eq. 6
   (7) KL(μ‖π) ≈ Σ_t k3,  k3 = ρ − 1 − log ρ  with ρ = π/μ (unclamped), y_t ~ μ   (Schulman's k3)
 
-Dividing by N_seq (not by tokens, not per micro-batch) makes (5) additive: the trainer sums the losses,
-gradients and statistics (all SUMS, combined at the end by `ess` etc.) of its micro-batches and ranks.
-(2), (3) are computed in float32 (a bf16 logsumexp is off by ~1e-2 nats, straight into (4)), at completion
-positions only, a chunk at a time (`completion_logprobs`).
+Dividing by N_seq (not tokens, not per micro-batch) makes (5) additive: the trainer sums the losses, gradients
+and statistics (all SUMS) of its micro-batches and ranks. (2), (3) run in float32: a bf16 logsumexp is off by
+~1e-2 nats, straight into (4).
 """
 import torch
 
@@ -43,33 +42,42 @@ def group_advantages(rewards, group_size, normalize_std=False, eps=1e-6):
 
 
 def nucleus_mask(scaled, top_p):
-    """(2') scaled logits [N,V] (already ÷ temperature) -> bool [N,V], True = inside the top-p nucleus: the rule
-    of vLLM 0.32's sampler (`apply_top_k_top_p_pytorch`): sort ascending, drop every token whose cumulative
-    probability (itself included) is <= 1 - top_p, never the most likely one. The actor's μ (processed_logprobs)
-    is renormalised over this set, so π must be too, or on-policy w = π/μ < 1 (DESIGN.md, top-p trap)."""
+    """(2) scaled logits [N,V] (already ÷ temperature) -> bool [N,V], True inside the top-p nucleus by vLLM 0.32's
+    rule (`apply_top_k_top_p_pytorch`): sort ascending, drop each token whose cumulative probability (itself
+    included) is <= 1 - top_p, never the most likely. μ is renormalised over it, so π must be (DESIGN.md)."""
     sorted_z, order = scaled.sort(dim=-1)  # [N,V] ascending
     drop_sorted = sorted_z.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # [N,V]
     drop_sorted[:, -1] = False  # at least one token
     return ~torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [N,V] back in vocab order
 
 
+def _scaled(hidden, weight, targets, temperature, top_p):
+    """-> logits / temperature [n,V] in float32 (-inf outside the nucleus) and the kept mask [n,V]. The sampled
+    token is always kept: one an older μ sampled can fall outside π's nucleus, where log π would be -inf."""
+    z = (hidden @ weight.t()).float() / temperature  # [n,V] (2) in float32
+    keep = torch.ones_like(z, dtype=torch.bool)  # [n,V]
+    if top_p < 1.0:
+        keep = nucleus_mask(z, top_p).scatter_(-1, targets[:, None], True)  # [n,V]
+        z = z.masked_fill(~keep, float("-inf"))  # [n,V]
+    return z, keep
+
+
 class _CompletionLogprobs(torch.autograd.Function):
-    """hidden [N,D], lm_head weight [V,D], targets [N] -> (2) log π(targets) [N] and (3) entropy [N], computed
-    `chunk` positions at a time: no [N,V] tensor is ever alive, in forward or backward (backward recomputes
-    each chunk's logits from the saved hidden states and the per-position logsumexp). The gradient is
-    the exact one of (2): d log π(y)/dz_v = ([v = y] - π(v)) / temperature over the kept tokens."""
+    """(2), (3) a chunk of positions at a time, with no [N,V] tensor alive in forward or backward: backward
+    recomputes each chunk's logits from the saved hidden states and per-position logsumexp, for the exact
+    gradient of (2): d log π(y)/dz_v = ([v = y] - π(v)) / temperature over the kept tokens."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, top_p, chunk):
         logprobs = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)  # [N]
         entropy = torch.empty_like(logprobs)  # [N]
         lse = torch.empty_like(logprobs)  # [N] logsumexp of each position's kept scaled logits
-        for lo in range(0, len(targets), chunk):
-            z, keep = _scaled(hidden[lo:lo + chunk], weight, targets[lo:lo + chunk], temperature, top_p)  # [n,V]
-            lse[lo:lo + chunk] = torch.logsumexp(z, dim=-1)  # [n]
-            logp = z - lse[lo:lo + chunk, None]  # [n,V] (2) over the kept tokens, -inf elsewhere
-            logprobs[lo:lo + chunk] = logp.gather(-1, targets[lo:lo + chunk, None]).squeeze(-1)  # [n]
-            entropy[lo:lo + chunk] = -torch.where(keep, logp.exp() * logp, 0.0).sum(-1)  # [n] (3)
+        for s in (slice(lo, lo + chunk) for lo in range(0, len(targets), chunk)):  # n = chunk positions at a time
+            z, keep = _scaled(hidden[s], weight, targets[s], temperature, top_p)  # [n,V]
+            lse[s] = torch.logsumexp(z, dim=-1)  # [n]
+            logp = z - lse[s, None]  # [n,V] (2) over the kept tokens, -inf elsewhere
+            logprobs[s] = logp.gather(-1, targets[s, None]).squeeze(-1)  # [n]
+            entropy[s] = -torch.where(keep, logp.exp() * logp, 0.0).sum(-1)  # [n] (3)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.top_p, ctx.chunk = temperature, top_p, chunk
         ctx.mark_non_differentiable(entropy)
@@ -80,28 +88,15 @@ class _CompletionLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)  # [N,D]
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V,D] accumulated over chunks in fp32
-        for lo in range(0, len(targets), ctx.chunk):
-            h, y, g = hidden[lo:lo + ctx.chunk], targets[lo:lo + ctx.chunk], grad_logprobs[lo:lo + ctx.chunk]
-            z, _ = _scaled(h, weight, y, ctx.temperature, ctx.top_p)  # [n,V] recomputed
-            dz = -(z - lse[lo:lo + ctx.chunk, None]).exp() * g[:, None]  # [n,V] -π(v)·g (0 where dropped)
+        for s in (slice(lo, lo + ctx.chunk) for lo in range(0, len(targets), ctx.chunk)):
+            y, g = targets[s], grad_logprobs[s]  # [n] each
+            z, _ = _scaled(hidden[s], weight, y, ctx.temperature, ctx.top_p)  # [n,V] recomputed
+            dz = -(z - lse[s, None]).exp() * g[:, None]  # [n,V] -π(v)·g (0 where dropped)
             dz.scatter_add_(-1, y[:, None], g[:, None])  # [n,V] + [v = y]·g
             dz = (dz / ctx.temperature).to(weight.dtype)  # [n,V] through z = logits / temperature
-            grad_hidden[lo:lo + ctx.chunk] = dz @ weight  # [n,D]
-            grad_weight += (dz.t() @ h).float()  # [V,D]
+            grad_hidden[s] = dz @ weight  # [n,D]
+            grad_weight += (dz.t() @ hidden[s]).float()  # [V,D]
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
-
-
-def _scaled(hidden, weight, targets, temperature, top_p):
-    """-> logits / temperature [n,V] in float32 (-inf outside the nucleus) and the kept mask [n,V]. The
-    sampled token is always kept: a token an older μ sampled can fall outside π's nucleus, where log π
-    would be -inf (a rare, off-policy case; on-policy tokens are inside by construction)."""
-    z = (hidden @ weight.t()).float() / temperature  # [n,V] (2) in float32
-    keep = torch.ones_like(z, dtype=torch.bool)  # [n,V]
-    if top_p < 1.0:
-        keep = nucleus_mask(z, top_p)
-        keep.scatter_(-1, targets[:, None], True)
-        z = z.masked_fill(~keep, float("-inf"))
-    return z, keep
 
 
 def completion_logprobs(hidden, weight, targets, temperature, top_p=1.0, chunk=1024):
@@ -119,23 +114,17 @@ def lag_bucket_index(lag):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clamp=5.0, entropy=None, lags=None):
-    """(4)-(5) truncated-IS REINFORCE -> (loss, stats).
-
-    logprobs [B,T] (π, with grad), old_logprobs [B,T] (μ), advantages [B], mask [B,T] (bool or 0/1).
-    num_sequences: N_seq of (5), counted over all micro-batches and all ranks (STYLE rule 6).
-    entropy [B,T] (optional) adds `entropy_sum`; lags [B,T] long (optional) adds the `bucket_*` sums.
-    stats: detached float64 SUMS over masked tokens, 0-dim ([len(LAG_BUCKET_LABELS)] for `bucket_*`), so they
-    add across micro-batches and ranks without a host sync (float64: a large step's token count passes
-    float32's exact integers, 2^24). ratio_sum, ratio_sq_sum are of w AFTER the clamp, what ESS (6) measures;
-    clamped_tokens counts raw ratio > is_clamp. Masked tokens may hold any finite values: they touch neither
-    the loss, its gradient nor the stats.
-    """
+    """(4)-(5) truncated-IS REINFORCE -> (loss, stats). logprobs [B,T] (π, with grad), old_logprobs [B,T] (μ),
+    advantages [B], mask [B,T] (bool or 0/1; masked tokens may hold any finite values), num_sequences N_seq of (5);
+    entropy [B,T] adds `entropy_sum`, lags [B,T] long the `bucket_*` sums ([len(LAG_BUCKET_LABELS)] each). stats:
+    detached float64 SUMS that add across micro-batches and ranks with no host sync (float64: a step's token
+    count can pass float32's exact integers, 2^24)."""
     m = mask.bool()  # [B,T]
     log_ratio = torch.where(m, logprobs.detach() - old_logprobs, 0.0)  # [B,T] log π/μ; 0 off-mask
     ratio = torch.exp(log_ratio)  # [B,T] (4) raw IS ratio π/μ, no gradient (sg)
     weight = torch.clamp(ratio, max=is_clamp)  # [B,T] (4) truncated IS weight
     per_token = torch.where(m, weight * advantages[:, None] * logprobs, 0.0)  # [B,T] (5) summand
-    loss = -per_token.sum() / num_sequences  # (5) normalised by the step's sequence count, not tokens
+    loss = -per_token.sum() / num_sequences  # (5) ÷ N_seq: the step's sequences over all micro-batches and ranks
 
     with torch.no_grad():
         summands = {"tokens": m, "ratio_sum": weight, "ratio_sq_sum": weight * weight,  # [B,T] each: (6) Σ w, Σ w²
@@ -160,6 +149,4 @@ def ess(ratio_sum, ratio_sq_sum, tokens):
     """(6) ESS = (Σw)² / (N Σw²) in (0, 1] from summed stats (floats or 0-dim tensors) -> float; 1.0 when there
     are no tokens or Σw² = 0 (nothing was off-policy that we could measure)."""
     ratio_sum, ratio_sq_sum, tokens = float(ratio_sum), float(ratio_sq_sum), float(tokens)
-    if tokens == 0 or ratio_sq_sum == 0:
-        return 1.0
-    return ratio_sum * ratio_sum / (tokens * ratio_sq_sum)  # (6)
+    return ratio_sum * ratio_sum / (tokens * ratio_sq_sum) if tokens and ratio_sq_sum else 1.0  # (6)

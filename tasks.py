@@ -1,13 +1,12 @@
 """Datasets: the built-in arithmetic task, GSM8K/MATH-style sets, prompt formatting, grading (`score`).
 
-The training set is an endless seeded stream addressed by cursor (`TrainStream.get(i)`: a resumed run
-continues the prompt order); the test split never overlaps it. Arithmetic: `a+b` with 1..4-digit operands;
-the target adds column by column, right to left, with the carry, then gives `#answer`:
+Training problems: an endless seeded stream that never overlaps the test split. Arithmetic: `a+b` with
+1..4-digit operands, the target adding column by column, right to left, with the carry, then `#answer`:
 
-    47+385=   ->   7+5=12 / 4+8+1=13 / 3+1=4 / #432   (one line each)
+    47+385=   ->   7+5=12 / 4+8+1=13 / 3+1=4 / #432
 
-so its length grows with the problem (8 characters for 3+4, ~40 for 4-digit operands with carries):
-the long tail that PipelineRL exploits (paper Sec. 3).
+so its length grows with the problem (8 characters for 3+4, ~40 for 4-digit operands with carries): the long
+tail that PipelineRL exploits (paper Sec. 3).
 """
 import json
 import os
@@ -130,8 +129,7 @@ def score(completion: str, answer: str, task: str):
     from math_verify import parse, verify  # lazy: only scoring processes pay for sympy
     # Both sides in the same \boxed{} wrapper, so that parse reads them alike. Timeouts off: math_verify's
     # signal.alarm works in a main thread only (verifier.py, simplification 3).
-    gold = parse("\\boxed{" + answer + "}", parsing_timeout=None)
-    parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
+    gold, parsed = (parse("\\boxed{" + s + "}", parsing_timeout=None) for s in (answer, pred))
     if not parsed:
         return 0.0, "unparsable"
     if gold and verify(gold, parsed, timeout_seconds=None):

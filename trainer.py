@@ -1,29 +1,28 @@
 """Trainer: hand-written FSDP over torchrun ranks; pulls samples, packs, steps, sends weights, checkpoints.
 
-Consumes  `sample` messages (common.SCHEMAS: the rollout + reward, advantage), ZMQ PULL connected to the
-          verifier at ports.host:ports.samples; each rank pulls its B/W sequences per step (B = trainer.batch_size).
-Produces  (1) the weights after every optimizer step (every actor.G_steps steps, conventional schedule) over
-          the weight group (weights_sync.py), version = optimizer steps taken; (2) checkpoints
-          <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer, optim-rank{r}.pt, trainer_state.json,
-          COMPLETE); (3) metrics_trainer.jsonl and samples_trainer.jsonl (rank 0's sequences of each step: group
-          ids and per-token versions run-length coded as [version, n]).
+Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage), ZMQ PULL from the verifier at
+          ports.host:ports.samples; each rank pulls its B/W sequences per step (B = trainer.batch_size).
+Produces  (1) the weights after every optimizer step (every actor.G_steps, conventional) to the weight group
+          (weights_sync.py), version = optimizer steps taken; (2) <run.dir>/checkpoints/step-N (HF safetensors,
+          config, tokenizer, optim-rank{r}.pt, trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and
+          samples_trainer.jsonl (rank 0's sequences per step: group ids, per-token versions run-length coded [v, n]).
 Run alone (a verifier pushes samples, the actor's vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
 `python trainer.py` without torchrun runs one rank with no process group (every collective is a no-op).
 
 Deliberate simplifications vs. the paper and its released code (DeepSpeed ZeRO-3):
- 1. FSDP (see `--- FSDP ---`): units are the decoder blocks + one root (embeddings, final norm, lm_head);
-    overlap is one unit deep (trainer.prefetch) on one process group, so all-gathers and reduce-scatters
-    queue behind each other (torchtitan gives them separate streams).
+ 1. FSDP units are the decoder blocks + one root (embeddings, final norm, lm_head); overlap is one unit deep
+    (trainer.prefetch) on one process group: all-gathers and reduce-scatters queue (torchtitan: separate streams).
  2. Gradients are reduce-scattered in fp32 by default (exact sums; trainer.reduce_dtype=bfloat16 halves the bytes).
  3. Micro-batches are right-padded rows of length-sorted samples, not one packed row with a block-diagonal
     mask: padding wastes little after sorting; a packed row would pay O(T^2) attention.
  4. Every rank loads the whole HF model into CPU memory once before sharding (no meta-device init).
- 5. Checkpoints assume a filesystem shared by all ranks. Resuming with another number of ranks re-cuts the
+ 5. Checkpoints assume a filesystem shared by all ranks; resuming on another number of ranks re-cuts the
     optimizer shards and restarts the RNG streams.
  6. samples_trainer.jsonl holds rank 0's share of each step only (1/W of the sequences).
  7. The asynchronous weight send (sync.async_send) keeps one full copy of the weights on rank 0.
 """
+import functools
 import json
 import math
 import os
@@ -48,7 +47,6 @@ import weights_sync
 
 # torch 2.13 marks the two collectives FSDP needs as deprecated (their successors don't exist in older torch).
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
-LAG_POSITION_BUCKETS = 8  # lag_by_position: completion positions 0..max_tokens-1 cut into this many buckets
 
 
 # --- distributed ----------------------------------------------------------------------------------
@@ -87,17 +85,15 @@ def barrier():
 
 
 # --- FSDP ------------------------------------------------------------------------------------------
-# Forward: a unit's wrapped forward all-gathers its shards into one flat buffer in the compute dtype
-# (`_Gather`, `_take`), points the modules' parameter attributes at views of it, runs, drops the views.
-# Tensors autograd saves that live in a gathered buffer are replaced by a handle (`_pack`), so nothing keeps
-# the buffer alive after the forward. Backward: the first op that needs the unit's weights unpacks a handle,
-# which re-gathers the unit (`_unpack`); `_Gather.backward` runs once every weight of the unit has its
-# gradient, frees the re-gathered copy and reduce-scatters the flat gradient (`_reduce`).
-# Overlap (trainer.prefetch; as torchtitan/FSDP2): taking a unit's buffer issues the all-gather of the unit
-# needed next, so it runs while this unit computes; a reduce-scatter is waited on only when the next unit's
-# gradient is ready. Gathered at any time: the root, the unit computing and the one prefetched.
-# Collective order: every rank builds the same graph (zero-weight micro-batches have the same structure)
-# and autograd runs ready nodes in a fixed order, so all ranks issue the same collectives in the same order.
+# Forward: a unit's wrapped forward all-gathers its shards into a flat compute-dtype buffer (`_Gather`, `_take`),
+# points the modules' parameter attributes at views of it, runs, drops the views; saved tensors living in the buffer
+# become handles (`_pack`), so nothing keeps it alive. Backward: the first op needing the unit's weights unpacks a
+# handle, which re-gathers the unit (`_unpack`); `_Gather.backward`, run once all the unit's weights have gradients,
+# frees that copy and reduce-scatters the flat gradient (`_reduce`). Overlap (trainer.prefetch; as torchtitan/FSDP2):
+# taking a unit issues the all-gather of the next one needed, run while this one computes; a reduce-scatter is waited
+# on only when the next unit's gradient is ready. Gathered at once: the root, the unit computing, the one prefetched.
+# Collective order: all ranks build the same graph (zero-weight micro-batches too) and autograd runs ready nodes in
+# a fixed order, so all ranks issue the same collectives in the same order.
 
 class Unit:
     """One sharding unit: its parameters flattened into an fp32 vector of N elements padded to N_pad, a
@@ -105,26 +101,19 @@ class Unit:
 
     def __init__(self, entries, device, index_in_model):
         self.index = index_in_model
-        params, index, self.slots, self.names = [], {}, [], []
+        self.slots, first = [], {}  # first: id(parameter) -> (its index, the parameter, its name)
         for name, module, attr in entries:  # a tied tensor (two slots) is stored once
             p = getattr(module, attr)
-            if id(p) not in index:
-                index[id(p)] = len(params)
-                params.append(p)
-                self.names.append(name)
-            self.slots.append((module, attr, index[id(p)]))
-        self.shapes = [p.shape for p in params]
-        self.numels = [p.numel() for p in params]
+            self.slots.append((module, attr, first.setdefault(id(p), (len(first), p, name))[0]))
+        params, self.names = [p for _, p, _ in first.values()], [n for _, _, n in first.values()]
+        self.shapes, self.numels = [p.shape for p in params], [p.numel() for p in params]
         self.numel = sum(self.numels)
         self.pad = -self.numel % world()
-        size = (self.numel + self.pad) // world()
-        lo, hi = rank() * size, (rank() + 1) * size
         flat = torch.cat([p.detach().reshape(-1).float() for p in params] + [torch.zeros(self.pad)])  # [N_pad]
         # AdamW decays matrices only (not norms, biases): a flat shard mixes both, hence a per-element mask.
-        decay = torch.cat([torch.full((p.numel(),), p.ndim >= 2) for p in params]
-                          + [torch.zeros(self.pad, dtype=torch.bool)])  # [N_pad]
-        self.shard = flat[lo:hi].clone().to(device).requires_grad_(True)  # [S] fp32 master
-        self.decay = decay[lo:hi].to(device)  # [S] bool
+        decay = torch.cat([torch.full((p.numel(),), float(p.ndim >= 2)) for p in params] + [torch.zeros(self.pad)])
+        self.shard = flat.chunk(world())[rank()].clone().to(device).requires_grad_(True)  # [S] fp32 master
+        self.decay = decay.chunk(world())[rank()].bool().to(device)  # [S] bool
         self.exp_avg = torch.zeros_like(self.shard)  # [S] AdamW first moment
         self.exp_avg_sq = torch.zeros_like(self.shard)  # [S] AdamW second moment
         self.pending = None  # (work, buffer [N_pad]): an all-gather issued ahead by the prefetch, until taken
@@ -144,8 +133,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full):  # [N_pad]
-        # Ordering: this node needs the gradient of every weight of the unit, so every backward op that
-        # used the weights has run: the re-gathered copy can go.
+        # Ordering: this node needs every weight's gradient, so every backward op using the weights has run.
         ctx.unit.regathered = None
         ctx.fsdp._reduce(ctx.unit, grad_full)
         return None, None, None  # _reduce puts the summed gradient into shard.grad once it has arrived
@@ -154,8 +142,7 @@ class _Gather(torch.autograd.Function):
 class FSDP:
     """Shards an HF causal LM (decoder blocks in model.model.layers) in place; see the section comment."""
 
-    def __init__(self, model, device, dtype, activation_checkpointing=False, prefetch=True,
-                 reduce_dtype=torch.float32):
+    def __init__(self, model, device, dtype, activation_checkpointing=False, prefetch=True, reduce_dtype=torch.float32):
         self.device, self.dtype, self.reduce_dtype = device, dtype, reduce_dtype
         self.prefetch = prefetch and world() > 1  # one rank gathers by copying: nothing to overlap
         self.live = {}  # storage address of a gathered forward buffer -> its unit (for _pack)
@@ -165,55 +152,44 @@ class FSDP:
         unit_of = {id(m): i + 1 for i, layer in enumerate(layers) for m in layer.modules()}
         entries = [[] for _ in range(len(layers) + 1)]  # unit 0 = root (embeddings, final norm, lm_head)
         for mname, module in model.named_modules():
-            for attr, p in module._parameters.items():
-                if p is not None:
-                    entries[unit_of.get(id(module), 0)].append((f"{mname}.{attr}", module, attr))
+            entries[unit_of.get(id(module), 0)] += [(f"{mname}.{attr}", module, attr)
+                                                    for attr, p in module._parameters.items() if p is not None]
         self.units = [Unit(e, device, i) for i, e in enumerate(entries)]
         model.to(device)  # what is left: buffers (rotary table), unsharded
-        inner = model.forward
-        model.forward = lambda *args, **kwargs: self.run_root(inner, *args, **kwargs)
+        model.forward = functools.partial(self.run_root, model.forward)
         for layer, unit in zip(layers, self.units[1:]):
             self._wrap(layer, unit, ac=activation_checkpointing)
 
     def run_root(self, fn, *args, **kwargs):
-        """fn(*args, **kwargs) with the root unit (embeddings, final norm, lm_head) gathered for the whole call
-        (embeddings first, head last) and the saved-tensor hooks installed. model(...) runs through it; so can
-        a caller's own use of model.model(...) and model.lm_head.weight. Not nested (one call per forward)."""
+        """fn(*args, **kwargs) with the root unit gathered for the whole call (embeddings first, head last) and the
+        saved-tensor hooks installed: model(...) runs through it, as can a caller's own model.model(...) and
+        model.lm_head.weight. Not nested (one call per forward)."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            self.gather(self.units[0])
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.free(self.units[0])
+            return self._run(self.units[0], fn, *args, **kwargs)
+
+    def _run(self, unit, fn, *args, **kwargs):
+        self.gather(unit)  # before any op of the unit: the views and the `live` entry must exist
+        try:
+            return fn(*args, **kwargs)
+        finally:  # also when checkpoint's recomputation stops early by raising inside `fn`
+            self.free(unit)
 
     def _wrap(self, module, unit, ac):
-        inner = module.forward
-
-        def run(*args, **kwargs):
-            self.gather(unit)  # before any op of the unit: the views and the `live` entry must exist
-            try:
-                return inner(*args, **kwargs)
-            finally:  # also when checkpoint's recomputation stops early by raising inside `inner`
-                self.free(unit)
-
-        def forward(*args, **kwargs):
-            if ac and torch.is_grad_enabled():
-                # Activation checkpointing: the gather happens inside `run`, so backward's recomputation
-                # re-gathers the unit itself (checkpoint's own saved-tensor hooks replace ours in there).
-                return checkpoint(run, *args, use_reentrant=False, **kwargs)
-            return run(*args, **kwargs)
-        module.forward = forward
+        run = functools.partial(self._run, unit, module.forward)
+        # Activation checkpointing: the gather happens inside `run`, so backward's recomputation re-gathers the
+        # unit itself (checkpoint's own saved-tensor hooks replace ours in there).
+        module.forward = lambda *args, **kwargs: (checkpoint(run, *args, use_reentrant=False, **kwargs)
+                                                  if ac and torch.is_grad_enabled() else run(*args, **kwargs))
 
     def all_gather(self, shard, dtype=None, async_op=False):
         """shard [S] -> the full flat unit [N_pad] (a new buffer, counted in live_bytes until freed).
         async_op: -> (work to wait on before reading the buffer, or None; buffer)."""
-        dtype = dtype or self.dtype
-        full = torch.empty(shard.numel() * world(), dtype=dtype, device=shard.device)  # [N_pad]
+        full = torch.empty(shard.numel() * world(), dtype=dtype or self.dtype, device=shard.device)  # [N_pad]
         work = None
         if world() > 1:  # sync: every rank, same unit (c10d keeps the cast input alive until the work is done)
             # The collective gets an alias of `full`: its worker thread drops a finished collective's tensors
             # whenever it next runs (on gloo on a loaded CPU, milliseconds later), which live_bytes leaves out.
-            work = dist.all_gather_into_tensor(full.detach(), shard.detach().to(dtype), async_op=async_op)
+            work = dist.all_gather_into_tensor(full.detach(), shard.detach().to(full.dtype), async_op=async_op)
         else:
             full.copy_(shard.detach())
         self.live_bytes += full.nbytes
@@ -238,8 +214,7 @@ class FSDP:
         unit.pending = None
         nxt = self._next(unit) if self.prefetch else None
         if nxt is not None and nxt.pending is None:
-            # Sync (issue): every rank takes the same units in the same order, so every rank issues this
-            # all-gather at the same place in its sequence of collectives. It runs while `unit` computes.
+            # Sync (issue): all ranks take the same units in the same order, so this all-gather keeps their order.
             nxt.pending = self.all_gather(nxt.shard, async_op=True)
         if work is not None:
             work.wait()  # sync: `unit`'s weights are here (on GPU the compute stream waits, the host goes on)
@@ -247,34 +222,31 @@ class FSDP:
 
     def _reduce(self, unit, grad_full):
         """grad_full [N_pad]: this rank's gradient of the unit -> summed over ranks into this rank's shard.grad."""
-        # Ordering: the previous unit's reduce-scatter ran during this unit's backward; it completes before
-        # the next is issued (one in flight: at most one extra unit of gradient memory).
+        # Ordering: the previous unit's reduce-scatter (run during this backward) ends before the next is issued:
+        # one in flight, at most one extra unit of gradient memory.
         self.finish_reduce()
         grad = grad_full.to(self.reduce_dtype if world() > 1 else torch.float32)  # [N_pad] (simplification 2)
         work = None
         if world() > 1:
             shard_grad = torch.empty(grad.numel() // world(), dtype=grad.dtype, device=grad.device)  # [S]
-            # Sync: every rank's gradient of this unit is summed (c10d keeps `grad` alive until the work is
-            # done); the result is read in finish_reduce, after the wait.
+            # Sync: every rank's gradient of this unit is summed (c10d keeps `grad` alive until the work is done).
             work = dist.reduce_scatter_tensor(shard_grad, grad, op=dist.ReduceOp.SUM, async_op=True)
             grad = shard_grad
         self.reducing = (work, grad, unit)
-        # The root's reduce-scatter is the last of a backward (the embedding is the first op of forward):
-        # nothing is left to overlap it with, so it completes now and every .grad is whole when backward() returns.
+        # The root's reduce-scatter is a backward's last (the embedding is forward's first op): nothing is left to
+        # overlap it with, so it completes now and every .grad is whole when backward() returns.
         if not self.prefetch or unit.index == 0:
             self.finish_reduce()
 
     def finish_reduce(self):
         """Wait for the reduce-scatter in flight; add its result to the unit's shard.grad (accumulated over
         micro-batches, as autograd would: the first one is stored, the next ones added in place)."""
-        if self.reducing is None:
-            return
-        work, shard_grad, unit = self.reducing
-        self.reducing = None
-        if work is not None:
-            work.wait()  # sync: the summed gradient of `unit` is here
-        g = shard_grad.float()  # [S]
-        unit.shard.grad = g if unit.shard.grad is None else unit.shard.grad.add_(g)
+        if self.reducing is not None:
+            (work, shard_grad, unit), self.reducing = self.reducing, None
+            if work is not None:
+                work.wait()  # sync: the summed gradient of `unit` is here
+            g = shard_grad.float()  # [S]
+            unit.shard.grad = g if unit.shard.grad is None else unit.shard.grad.add_(g)
 
     def gather(self, unit):
         full = _Gather.apply(unit.shard, self, unit)  # [N_pad]
@@ -307,28 +279,24 @@ class FSDP:
         self.finish_reduce()  # sync: every reduce-scatter has landed before the norm (the root's backward waited)
         sq = torch.stack([u.shard.grad.pow(2).sum() for u in self.units]).sum()  # this rank's Σ g²
         norm = all_reduce(sq).sqrt().item()  # sync: the norm over all shards of all units
-        if not math.isfinite(norm):  # NaN/inf passes min(1, c/(norm+eps)): apply nothing (issue 13)
-            for u in self.units:
-                u.shard.grad = None
-            return norm
         coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0  # as torch's clip_grad_norm_
         b1, b2 = betas
         for u in self.units:
-            p, g, m, v = u.shard, u.shard.grad.mul_(coef), u.exp_avg, u.exp_avg_sq  # [S] each
-            if weight_decay:
-                p.mul_(1 - lr * weight_decay * u.decay)  # decoupled decay, matrices only
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
-            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
+            if math.isfinite(norm):  # NaN/inf passes min(1, c/(norm+eps)): apply nothing (issue 13)
+                p, g, m, v = u.shard, u.shard.grad.mul_(coef), u.exp_avg, u.exp_avg_sq  # [S] each
+                if weight_decay:
+                    p.mul_(1 - lr * weight_decay * u.decay)  # decoupled decay, matrices only
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
+                p.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
             u.shard.grad = None
         return norm
 
     def full_units(self, dtype):
         """Yields {hf_name: full tensor} one unit at a time. Every rank must consume it: one all-gather each."""
         for u in self.units:
-            with torch.no_grad():
-                full = self.all_gather(u.shard, dtype)  # [N_pad]
+            full = self.all_gather(u.shard, dtype)  # [N_pad] (no graph: all_gather reads shard.detach())
             yield {n: t.view(s) for n, t, s in zip(u.names, full[:u.numel].split(u.numels), u.shapes)}
 
     def manifest(self, dtype):
@@ -338,18 +306,16 @@ class FSDP:
         return {"world": world(), "units": [{"shard": u.shard.detach().cpu(), "exp_avg": u.exp_avg.cpu(),
                                              "exp_avg_sq": u.exp_avg_sq.cpu()} for u in self.units]}
 
+    @torch.no_grad()
     def load_state_dict(self, sds):
         """sds: the optimizer files of a checkpoint in rank order: this rank's alone when it was written by
         as many ranks as now, else all of them, re-cut into this world's shards."""
-        with torch.no_grad():
-            for i, u in enumerate(self.units):
-                for k in ("shard", "exp_avg", "exp_avg_sq"):
-                    if sds[0]["world"] == world():
-                        getattr(u, k).copy_(sds[0]["units"][i][k])
-                        continue
-                    full = torch.cat([sd["units"][i][k] for sd in sds])[:u.numel]  # [N] without the old padding
-                    size = u.shard.numel()
-                    getattr(u, k).copy_(torch.cat([full, torch.zeros(u.pad)])[rank() * size:(rank() + 1) * size])
+        for i, u in enumerate(self.units):
+            for k in ("shard", "exp_avg", "exp_avg_sq"):
+                x = torch.cat([sd["units"][i][k] for sd in sds])  # [S] this rank's, or [N_pad] of the old world
+                if sds[0]["world"] != world():  # re-cut: [N] without the old padding, padded for this world
+                    x = torch.cat([x[:u.numel], torch.zeros(u.pad)]).chunk(world())[rank()]
+                getattr(u, k).copy_(x)
 
 
 # --- state and batches ---------------------------------------------------------------------------------
@@ -370,8 +336,8 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
     resume also restore this rank's optimizer shard and the counters."""
     if model is None:
         from transformers import AutoModelForCausalLM
-        src = ckpt or cfg.trainer.init_from or cfg.model_path
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(ckpt or cfg.trainer.init_from or cfg.model_path,
+                                                     dtype=torch.float32)
     model.config.use_cache = False
     model.train()
     tc, dtype = cfg.trainer, getattr(torch, cfg.compute_dtype(device.type == "cuda"))
@@ -414,7 +380,7 @@ def collate(samples, version, device):
     old_logprobs = torch.zeros(rows, T - 1)  # [B,T-1] μ of token t+1
     mask = torch.zeros(rows, T - 1, dtype=torch.bool)  # [B,T-1] completion tokens only
     lags = torch.zeros(rows, T - 1, dtype=torch.long)  # [B,T-1] version - versions[t]
-    advantages = torch.zeros(rows)  # [B]
+    advantages = torch.tensor([float(s["advantage"]) for s in samples] or [0.0])  # [B]
     for i, s in enumerate(samples):
         P, C = len(s["prompt_ids"]), len(s["completion_ids"])
         ids = np.concatenate([s["prompt_ids"], s["completion_ids"]]).astype(np.int64)  # [T_i]
@@ -423,10 +389,8 @@ def collate(samples, version, device):
         old_logprobs[i, cols] = torch.from_numpy(s["logprobs"].astype(np.float32))
         mask[i, cols] = True
         lags[i, cols] = version - torch.from_numpy(s["versions"].astype(np.int64))
-        advantages[i] = float(s["advantage"])
-    out = dict(input_ids=input_ids, targets=input_ids[:, 1:], old_logprobs=old_logprobs, mask=mask, lags=lags,
-               advantages=advantages)
-    return {k: v.to(device) for k, v in out.items()}
+    return {k: v.to(device) for k, v in dict(input_ids=input_ids, targets=input_ids[:, 1:], old_logprobs=old_logprobs,
+                                             mask=mask, lags=lags, advantages=advantages).items()}
 
 
 def completion_forward(model, x, cfg):
@@ -443,44 +407,38 @@ def completion_forward(model, x, cfg):
 # --- train step --------------------------------------------------------------------------------------------
 
 def train_step(state: TrainState, samples, cfg) -> dict:
-    """One optimizer step on this rank's B/W samples (dicts: a sample message's fields and arrays); every rank
-    calls it together; the metrics are summed over ranks.
-
-    A sample whose advantage is 0 contributes exactly 0 to (5) and its gradient, so it is not run at all
-    (most groups early on); the normaliser still counts every sequence, so loss and gradient are the whole
-    batch's. Token diagnostics (ESS, KL, clamp fraction, entropy, their lag buckets) therefore describe the
-    sequences that carry gradient; lags, reward and counts describe all. A non-finite gradient norm skips
-    the update (weights and moments unchanged, `skipped` counted); the step still counts as a version,
-    which the trainer does not broadcast."""
+    """One optimizer step on this rank's B/W samples (a sample message's fields and arrays); all ranks call it together;
+    metrics are summed over ranks. A zero-advantage sample adds exactly 0 to (5) and its gradient, so it is not run
+    (most groups early on); the normaliser still counts every sequence: loss and gradient are the whole batch's.
+    Token diagnostics (ESS, KL, clamp fraction, entropy, by lag) thus describe the sequences carrying gradient; lags,
+    reward and counts describe all. A non-finite gradient norm skips the update (weights and moments unchanged,
+    `skipped` counted); the step still counts as a version, which is not broadcast."""
     t0 = time.time()
     tc, device, f64 = cfg.trainer, state.fsdp.device, torch.float64
     version = state.step  # the policy being trained; this step produces version + 1
     num_sequences = tc.batch_size  # loss normalizer: sequences in this optimizer step, all micro-batches, all ranks
     trained = [s for s in samples if float(s["advantage"]) != 0.0]
     batches = pack_micro_batches(trained, tc.micro_batch_tokens)
-    # Sync: every micro-batch is a fixed sequence of collectives, so all ranks run as many as the busiest
-    # one (at least one, so that every shard gets a gradient); the others add zero-weight micro-batches
-    # (mask all false: zero loss, zero gradient).
+    # Sync: every micro-batch is a fixed sequence of collectives, so all ranks run as many as the busiest one (at
+    # least one: every shard gets a gradient), the others adding zero-weight ones (mask all false: zero gradient).
     n_mb = max(1, int(all_reduce(torch.tensor([len(batches)], device=device), dist.ReduceOp.MAX).item()))
-    batches += [[] for _ in range(n_mb - len(batches))]
     sums = {}
-    for mb in batches:
+    for mb in batches + [[]] * (n_mb - len(batches)):
         x = collate(mb, version, device)
         logprobs, entropy = state.fsdp.run_root(completion_forward, state.model, x, cfg)  # [B,T-1] each
         mb_loss, stats = loss.policy_loss(logprobs, x["old_logprobs"], x["advantages"], x["mask"], num_sequences,
                                           is_clamp=tc.is_clamp, entropy=entropy, lags=x["lags"])
         mb_loss.backward()  # reduce-scatters each unit's gradient into its shard, accumulating over micro-batches
         stats["loss"] = mb_loss.detach().to(f64)
-        for k, v in stats.items():
-            sums[k] = sums[k] + v if k in sums else v
+        sums = {k: sums[k] + v if k in sums else v for k, v in stats.items()}
     grad_norm = state.fsdp.clip_and_step(state.step + 1 - state.skipped, tc.lr, tc.betas, tc.eps, tc.weight_decay,
                                          tc.grad_clip)
-    state.skipped += not math.isfinite(grad_norm)
+    skipped = not math.isfinite(grad_norm)
+    state.skipped += skipped
     state.step += 1
     train_s = time.time() - t0
 
-    # Token lags (version - versions[t]) by completion position, for paper Fig. 3a: P position buckets.
-    P = LAG_POSITION_BUCKETS
+    P = 8  # paper Fig. 3a: token lags (version - versions[t]) by completion position, 0..max_tokens-1 in P buckets
     lags = [version - s["versions"].astype(np.int64) for s in samples]  # per sample [C]
     pos = [np.minimum(np.arange(len(lag)) * P // cfg.actor.max_tokens, P - 1) for lag in lags]  # per sample [C]
     lags, pos = (np.concatenate(x + [np.zeros(0, np.int64)]) for x in (lags, pos))  # [N_tok] each
@@ -489,12 +447,10 @@ def train_step(state: TrainState, samples, cfg) -> dict:
             "all_tokens": sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
             "malformed": state.malformed, "lag_sum": lags.sum(), "lag_tokens": len(lags),
             "pos_lag_sum": np.bincount(pos, weights=lags, minlength=P), "pos_tokens": np.bincount(pos, minlength=P)}
-    # Sync: one all-reduce for every summed statistic, one for the maxima.
-    sums.update({k: torch.tensor(v, dtype=f64, device=device) for k, v in host.items()})
-    keys = sorted(sums)
-    flat = all_reduce(torch.cat([sums[k].reshape(-1) for k in keys]))
-    s = dict(zip(keys, (t.tolist() if sums[k].dim() else t.item() for k, t in
-                        zip(keys, flat.split([sums[k].numel() for k in keys])))))
+    # Sync: one all-reduce for every summed statistic (keys sorted: the same order on every rank), one for the maxima.
+    sums = {k: torch.as_tensor(v, dtype=f64, device=device) for k, v in sorted({**sums, **host}.items())}
+    parts = all_reduce(torch.cat([v.reshape(-1) for v in sums.values()])).split([v.numel() for v in sums.values()])
+    s = {k: t.tolist() if v.dim() else t.item() for (k, v), t in zip(sums.items(), parts)}
     max_group = max([int(x["group_id"]) for x in samples], default=-1)
     hi = all_reduce(torch.tensor([lags.max(initial=-10**9), -lags.min(initial=10**9), max_group], dtype=f64,
                                  device=device), dist.ReduceOp.MAX).tolist()
@@ -509,14 +465,12 @@ def train_step(state: TrainState, samples, cfg) -> dict:
                "lag_max": hi[0] if s["lag_tokens"] else 0.0, "reward_mean": s["reward_sum"] / max(s["sequences"], 1),
                "tokens": s["tokens"], "tokens_per_s": s["all_tokens"] / train_s, "train_s": train_s,
                "micro_batches": n_mb, "malformed": s["malformed"], "trained_sequences": s["trained_sequences"],
-               "skipped_steps": state.skipped, "step_skipped": int(not math.isfinite(grad_norm))}
+               "skipped_steps": state.skipped, "step_skipped": int(skipped)}
     for i, label in enumerate(loss.LAG_BUCKET_LABELS):  # paper Fig. 7: off-policyness by lag
-        n = s["bucket_tokens"][i]
-        if n:  # an absent bucket had no tokens
-            metrics[f"tokens_lag_{label}"] = n
-            metrics[f"kl_lag_{label}"] = s["bucket_kl_sum"][i] / n
-            metrics[f"ess_lag_{label}"] = loss.ess(s["bucket_ratio_sum"][i], s["bucket_ratio_sq_sum"][i], n)
-            metrics[f"clamp_lag_{label}"] = s["bucket_clamped"][i] / n
+        if n := s["bucket_tokens"][i]:  # an absent bucket had no tokens
+            metrics.update({f"tokens_lag_{label}": n, f"kl_lag_{label}": s["bucket_kl_sum"][i] / n,
+                            f"ess_lag_{label}": loss.ess(s["bucket_ratio_sum"][i], s["bucket_ratio_sq_sum"][i], n),
+                            f"clamp_lag_{label}": s["bucket_clamped"][i] / n})
     # paper Fig. 3a: mean lag by completion position (bucket p covers positions [p, p+1) * max_tokens / P)
     metrics["lag_by_position"] = [round(ls / n, 3) if n else None for ls, n in zip(s["pos_lag_sum"], s["pos_tokens"])]
     return metrics
@@ -525,10 +479,9 @@ def train_step(state: TrainState, samples, cfg) -> dict:
 # --- weights and checkpoints ----------------------------------------------------------------------------------
 
 def send_weights(state, sender, cfg, wait=False) -> float:
-    """The current weights to the actors: all ranks gather each unit in turn; rank 0 broadcasts it, or
-    (sync.async_send) copies it for its AsyncSender thread, which broadcasts while the next step trains. If
-    that thread is still busy, this version is skipped (only the newest weights travel), unless `wait`: the
-    conventional actor idles until it has these weights, and version 0 must arrive. -> seconds on the loop's path."""
+    """The current weights to the actors (-> seconds on the loop's path): all ranks gather each unit; rank 0 broadcasts
+    it, or (sync.async_send) copies it for its AsyncSender thread to broadcast during the next step. A busy thread skips
+    this version (only the newest travel) unless `wait`: the conventional actor idles for it; version 0 must arrive."""
     t0 = time.time()
     if cfg.sync.async_send and cfg.weight_world > 1:
         if sender is not None:
@@ -539,12 +492,11 @@ def send_weights(state, sender, cfg, wait=False) -> float:
         if all_reduce(busy, dist.ReduceOp.MAX).item():  # sync: every rank follows rank 0's choice
             return time.time() - t0
     named = ((n, t) for unit in state.fsdp.full_units(state.fsdp.dtype) for n, t in unit.items())
-    manifest = state.fsdp.manifest(state.fsdp.dtype)
     if isinstance(sender, weights_sync.AsyncSender):
-        sender.stage(named, manifest)
+        sender.stage(named, state.fsdp.manifest(state.fsdp.dtype))
         sender.submit(state.step)
     elif sender is not None:
-        sender.send(state.step, named, manifest)
+        sender.send(state.step, named, state.fsdp.manifest(state.fsdp.dtype))
     else:
         for _ in named:  # the other ranks' part of each unit's all-gather
             pass
@@ -558,8 +510,7 @@ def _fsync(path):  # files and directories alike
 
 
 def latest_checkpoint(root):
-    """Newest `step-N` directory holding its COMPLETE marker; `.tmp-*` and unmarked ones (a killed writer)
-    are ignored."""
+    """Newest `step-N` directory holding its COMPLETE marker; `.tmp-*` and unmarked ones (a killed writer) aren't."""
     done = [d for d in Path(root).glob("step-*") if d.name[5:].isdigit() and (d / "COMPLETE").is_file()]
     return max(done, key=lambda d: int(d.name[5:]), default=None)
 
@@ -573,16 +524,15 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()  # sync: the directory exists before any rank writes into it
-    rng = {"rng_cpu": torch.get_rng_state()}
-    if state.fsdp.device.type == "cuda":
-        rng["rng_cuda"] = torch.cuda.get_rng_state()
-    torch.save({**state.fsdp.state_dict(), **rng, "step": state.step}, tmp / f"optim-rank{rank()}.pt")
-    _fsync(tmp / f"optim-rank{rank()}.pt")
+    optim = tmp / f"optim-rank{rank()}.pt"
+    rng = {"rng_cuda": torch.cuda.get_rng_state()} if state.fsdp.device.type == "cuda" else {}
+    torch.save({**state.fsdp.state_dict(), "rng_cpu": torch.get_rng_state(), **rng, "step": state.step}, optim)
+    _fsync(optim)
     # The model: HF sharded safetensors, one file per unit, gathered one unit at a time (all ranks join).
-    n_units, weight_map, total = len(state.fsdp.units), {}, 0
+    weight_map, total = {}, 0
     for i, tensors in enumerate(state.fsdp.full_units(torch.float32)):
         if is_main():
-            fname = f"model-{i + 1:05d}-of-{n_units:05d}.safetensors"
+            fname = f"model-{i + 1:05d}-of-{len(state.fsdp.units):05d}.safetensors"
             save_file({n: t.detach().cpu().clone() for n, t in tensors.items()}, tmp / fname, metadata={"format": "pt"})
             weight_map.update({n: fname for n in tensors})
             total += sum(t.nbytes for t in tensors.values())
@@ -682,14 +632,13 @@ def main():
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
     ckpt = latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
     state = build_state(cfg, device, ckpt)
-    tokenizer = None
+    tokenizer, src = None, ckpt or cfg.trainer.init_from or cfg.model_path
     if is_main():
         print(f"[trainer] {world()} rank(s) on {device}, {sum(u.numel for u in state.fsdp.units) / 1e6:.2f}M params, "
-              f"{'resumed from ' + str(ckpt) if ckpt else 'fresh from ' + (cfg.trainer.init_from or cfg.model_path)}",
-              flush=True)
+              f"{'resumed' if ckpt else 'fresh'} from {src}", flush=True)
         try:
             from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(ckpt or cfg.trainer.init_from or cfg.model_path)
+            tokenizer = AutoTokenizer.from_pretrained(src)
         except (OSError, ValueError, TypeError):  # a model directory without a tokenizer: checkpoints get none
             pass
 
@@ -711,7 +660,6 @@ def main():
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     share = cfg.trainer.batch_size // world()
-    vocab_size = state.model.config.vocab_size
     t_start = t_prev = time.time()
 
     # --- training loop: pull, step, send weights, log, checkpoint ---
@@ -722,11 +670,10 @@ def main():
             # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL step with one
             # policy before its first optimizer step; PipelineRL (G_steps=1) steps as soon as B are here.
             steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
-            pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr, vocab_size, store)
+            pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr, state.model.config.vocab_size, store)
             batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
         samples = batches.pop(0)
-        trained_version = state.step
-        metrics = train_step(state, samples, cfg)
+        metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
         broadcast_s, conventional = 0.0, cfg.actor.schedule == "conventional"
         # Pipeline: after every applied step. Conventional: once per RL step (G_steps steps), even when its last
         # step was skipped (the actor waits for this broadcast to start the next RL step).
@@ -739,7 +686,7 @@ def main():
         if is_main():
             common.log("trainer", metrics, state.step)  # every step: the figures read each one
             with open(cfg.run_dir / "samples_trainer.jsonl", "a") as f:
-                f.write(json.dumps({"step": state.step, "trainer_version": trained_version,
+                f.write(json.dumps({"step": state.step, "trainer_version": state.step - 1,
                                     "group_ids": [int(s["group_id"]) for s in samples],
                                     "version_runs": [[[v, len(list(g))] for v, g in groupby(s["versions"].tolist())]
                                                      for s in samples]}) + "\n")

@@ -1,23 +1,20 @@
 """Verifier: scores rollouts, completes groups, computes advantages, pushes training samples.
 
 Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor (common.SCHEMAS).
-Produces  ZMQ PUSH bound on ports.host:ports.samples: one `sample` per rollout of a complete group; trainer
-          ranks connect PULL sockets, ZMQ spreads the samples. An evaluation pass (`eval`: true, one group over
-          the test split) becomes a line of <run.dir>/eval.jsonl instead: version (at its start), versions
-          [oldest, newest] of its tokens, test_reward, n. Dropped groups (zero-advantage ones when asked,
-          malformed, incomplete after verifier.stale_group_s) go back to their actor's admission budget
-          through the trainer's store (dropped/<proc>). Metrics: metrics_verifier.jsonl.
+Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group, for the trainer
+          ranks; an evaluation pass (`eval`: true) becomes a line of <run.dir>/eval.jsonl instead. Dropped groups
+          (zero-advantage when asked, malformed, stale) go back to their actor's admission budget through the
+          trainer's store (dropped/<proc>). Metrics: metrics_verifier.jsonl.
 Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports.rollouts, PULL samples from
             ports.samples; a drop needs the trainer's store at sync.host:sync.port)
 
 Deliberate simplifications:
  1. One process, state in memory: a restart loses the groups in progress (restart or resume the run).
- 2. Advantage = r - group mean, no std division (the paper's code); the reward table of the config plus
-    DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
- 3. Grading (tasks.score) runs in `ScorePool` workers: plain subprocesses speaking JSON lines over pipes (a
-    multiprocessing spawn pool would re-import the caller's __main__ in every worker), with math_verify's own
-    timeouts off (signal.alarm: main thread only, DESIGN.md); a worker that overruns the per-item limit (sympy
-    on a hostile answer) or dies is replaced (~1 s) and its item scores `timeout`.
+ 2. Advantage = r - group mean, no std division (the paper's code); rewards: the config's table plus DAPO's
+    linear overlong penalty (the paper's "soft penalty near the max length").
+ 3. Grading runs in `ScorePool` workers: subprocesses speaking JSON lines over pipes (a spawn pool re-imports
+    the caller's __main__ in each), math_verify's own timeouts off (signal.alarm: main thread only); a worker
+    that overruns the item limit (sympy on a hostile answer) or dies is replaced (~1 s); its item: `timeout`.
  4. Late duplicates of a forwarded or dropped group are recognised for the last 100k groups only.
 """
 import contextlib
@@ -31,6 +28,7 @@ import time
 from collections import OrderedDict, deque
 
 import numpy as np
+import torch
 import zmq
 
 import common
@@ -38,14 +36,12 @@ import tasks
 from loss import group_advantages
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_FINISHED_KEPT = 100_000  # group ids remembered to catch late duplicates (simplification 4)
 
 
 # --- scoring ----------------------------------------------------------------------------------------
 
 def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
-    """The config's reward table, then DAPO's overlong penalty: linear from 0 at
-    `max_tokens - overlong_buffer` completion tokens to `overlong_penalty` at max_tokens."""
+    """Reward table minus DAPO's overlong penalty (0 at max_tokens - overlong_buffer, linear to overlong_penalty)."""
     reward = {"correct": v.reward_correct, "wrong": v.reward_wrong}.get(status, v.reward_no_answer)
     start = max_tokens - v.overlong_buffer
     if v.overlong_buffer > 0 and n_tokens > start:
@@ -75,11 +71,9 @@ def _worker_loop():
 
 
 class ScorePool:
-    """`workers` scoring processes. An item gets `timeout_s` seconds from when a worker takes it; a worker
-    that overruns or dies is killed and replaced and its item scores (0.0, "timeout"). Completions are cut
-    to their last `max_chars` characters (the final answer is at the end). Use score_many, or submit +
-    collect (the verifier's loop); not both on one pool. Workers die with the thread that started them
-    (PR_SET_PDEATHSIG): create the pool in a long-lived thread."""
+    """`workers` scoring processes (simplification 3); an item's `timeout_s` runs from when a worker takes it.
+    Completions are cut to their last `max_chars` characters (the answer is at the end). Use score_many, or submit
+    + collect, not both. Workers die with the thread that started them (PR_SET_PDEATHSIG): use a long-lived one."""
 
     def __init__(self, workers: int, timeout_s: float, max_chars: int):
         self.timeout_s, self.max_chars = timeout_s, max_chars
@@ -96,10 +90,7 @@ class ScorePool:
     @staticmethod
     def _stop(w):
         w["proc"].kill()
-        w["proc"].wait()
-        for pipe in (w["proc"].stdin, w["proc"].stdout):
-            with contextlib.suppress(OSError):  # unflushed input to a dead worker
-                pipe.close()
+        w["proc"].communicate()  # reaps it and closes its pipes, ignoring unflushed input to a dead worker
 
     def _replace(self, w):
         self._stop(w)
@@ -129,12 +120,10 @@ class ScorePool:
         self._dispatch()
         return ticket
 
-    def busy(self) -> int:
-        """Items submitted and not yet collected-ready: queued + being scored."""
+    def busy(self) -> int:  # items submitted and not yet collected: queued + being scored
         return len(self.backlog) + sum(w["job"] is not None for w in self.workers)
 
-    def fds(self) -> list:
-        """Pipes to wait on (e.g. with zmq.select) for results; they change when a worker is replaced."""
+    def fds(self) -> list:  # the pipes that results arrive on (to wait on); they change when a worker is replaced
         return [w["proc"].stdout.fileno() for w in self.workers]
 
     def collect(self, timeout: float = 0.0) -> list:
@@ -173,14 +162,13 @@ class ScorePool:
 # --- the service --------------------------------------------------------------------------------------
 
 class State:
-    """What the service holds in memory (simplification 1). A group's key is (eval, group_id): eval passes and
-    training groups have separate id spaces."""
+    """The service's memory (simplification 1). A group's key is (eval, group_id): eval passes have their own ids."""
 
     def __init__(self, cfg):
         self.cfg, self.store = cfg, None  # the trainer's store, connected at the first drop
         self.open = {}  # key -> {"size", "t0", "proc", "seen": {idx}, "scored": {idx: (header, arrays)}}
         self.finished = OrderedDict()  # keys forwarded or dropped (simplification 4)
-        self.scoring = {}  # pool ticket -> (header, arrays)
+        self.scoring = {}  # pool ticket -> (key, header, arrays)
         self.outbox = deque()  # encoded samples waiting for a trainer rank
         self.counts = dict.fromkeys(["groups_forwarded", "zero_adv_groups", "dropped_groups", "dropped_samples",
                                      "duplicates", "malformed", "stale_groups", "evaluations",
@@ -191,7 +179,7 @@ class State:
         """No longer open: samples still to come are late duplicates, results still being scored are ignored."""
         self.open.pop(key, None)
         self.finished[key] = None
-        if len(self.finished) > _FINISHED_KEPT:
+        if len(self.finished) > 100_000:  # simplification 4
             self.finished.popitem(last=False)
 
     def drop(self, key, proc: int, size: int):
@@ -208,19 +196,18 @@ class State:
 
 
 def receive(sock, state: State, pool, tokenizer, limit: int):
-    """Read rollouts while the pool has room: check, decode, hand to the pool. A malformed rollout whose
-    sender and group are known drops its whole group (it can never complete)."""
+    """Check, decode, submit rollouts while the pool has room. A malformed one drops its group: it can't complete."""
     while pool.busy() < limit and sock.poll(0):
         frames = sock.recv_multipart()
         try:
             header, arrays = common.decode(frames, "rollout")
-            key, idx = (header["eval"], header["group_id"]), header["sample_idx"]
-            if key in state.finished or idx in state.open.get(key, {}).get("seen", ()):
+            key, idx, size = (header["eval"], header["group_id"]), header["sample_idx"], header["group_size"]
+            group = state.open.get(key, {"size": size, "seen": ()})
+            if key in state.finished or idx in group["seen"]:
                 state.counts["duplicates"] += 1
                 continue
-            if key in state.open and header["group_size"] != state.open[key]["size"]:
-                raise common.WireError(f"group {key[1]}: group_size {header['group_size']} != "
-                                       f"{state.open[key]['size']} of its first sample")
+            if size != group["size"]:
+                raise common.WireError(f"group {key[1]}: group_size {size} != {group['size']} of its first sample")
             if header["task"] not in tasks.TASKS:
                 raise common.WireError(f"unknown task {header['task']!r}")
             try:
@@ -236,19 +223,19 @@ def receive(sock, state: State, pool, tokenizer, limit: int):
                     and key not in state.finished and h["group_size"] >= 1):
                 state.drop(key, h["proc"], h["group_size"])
             continue
-        group = state.open.setdefault(key, {"size": header["group_size"], "t0": time.monotonic(),
-                                            "proc": header["proc"], "seen": set(), "scored": {}})
+        group = state.open.setdefault(key, {"size": size, "t0": time.monotonic(), "proc": header["proc"],
+                                            "seen": set(), "scored": {}})
         group["seen"].add(idx)
-        state.scoring[pool.submit(text, header["answer"], header["task"])] = (header, arrays)
+        state.scoring[pool.submit(text, header["answer"], header["task"])] = (key, header, arrays)
 
 
 def complete(state: State, key):
     """A complete group: training -> advantages -> samples in the outbox (or dropped); eval -> eval.jsonl."""
     group = state.open[key]
+    state.close(key)
     members = [group["scored"][i] for i in range(group["size"])]
     rewards = [h["reward"] for h, _ in members]
     if key[0]:  # an evaluation pass over the test split (actor.py, simplification 3)
-        state.close(key)
         versions = np.concatenate([a["versions"] for _, a in members])
         record = {"version": key[1], "versions": [int(versions.min(initial=key[1])), int(versions.max(initial=key[1]))],
                   "time": time.time(), "test_reward": float(np.mean(rewards)), "n": len(members),
@@ -263,7 +250,6 @@ def complete(state: State, key):
         state.counts["zero_adv_groups"] += 1
         if state.cfg.verifier.drop_zero_adv_groups:
             return state.drop(key, group["proc"], group["size"])
-    state.close(key)
     state.outbox.extend(common.encode({**h, "advantage": adv}, a) for (h, a), adv in zip(members, advantages))
     state.counts["groups_forwarded"] += 1
 
@@ -290,59 +276,49 @@ def main():
     v = cfg.verifier
     common.write_run_info(cfg, "verifier")
     common.setup_logging(cfg, "verifier")
-    import torch  # only for loss.group_advantages; one thread, the cores belong to the other roles
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # torch only runs loss.group_advantages here; the cores belong to the other roles
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
 
     # --- sockets and scoring pool ---
     host = cfg.ports.host  # multi-node: run.sh sets it from MASTER_ADDR
     ctx = zmq.Context()
-    rollouts_sock = ctx.socket(zmq.PULL)
+    rollouts_sock, samples_sock = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     rollouts_sock.bind(common.zmq_addr(host, cfg.ports.rollouts))
-    samples_sock = ctx.socket(zmq.PUSH)
     samples_sock.bind(common.zmq_addr(host, cfg.ports.samples))
-    pool = ScorePool(v.workers, v.timeout_s, v.max_chars)
-    stopping = []
+    pool, state, stopping = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg), []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
-    state = State(cfg)
     print(f"[verifier] rollouts <- {host}:{cfg.ports.rollouts}, samples -> {host}:{cfg.ports.samples}, "
           f"{v.workers} scoring workers", flush=True)
 
     while not stopping:
-        # Backpressure: stop reading rollouts while the pool or the outbox is full; ZMQ then queues them up
-        # to its high-water mark and the actor's PUSH waits (without blocking its loop). Wait 50 ms at most:
-        # also the granularity of the per-item time limit.
+        # Backpressure: with the pool or the outbox full, rollouts wait in ZMQ's queue up to its high-water mark,
+        # then the actor's PUSH waits (without blocking its loop). 50 ms: the granularity of the item time limit.
         room = len(state.outbox) < 4 * cfg.trainer.batch_size
         reading = [rollouts_sock] if room and pool.busy() < 2 * v.workers else []
         zmq.select(reading + pool.fds(), [samples_sock] if state.outbox else [], [], 0.05)
-
         # --- receive rollouts ---
-        if room:
+        if reading:
             receive(rollouts_sock, state, pool, tokenizer, 2 * v.workers)
         # --- score; complete groups -> advantages -> samples ---
         for ticket, _, status, seconds in pool.collect(0):
-            header, arrays = state.scoring.pop(ticket)
-            key = (header["eval"], header["group_id"])
-            if key not in state.open:  # its group was dropped meanwhile
-                continue
-            header.update(reward=reward_for(status, v, len(arrays["completion_ids"]), cfg.actor.max_tokens),
-                          status=status)
-            state.counts[f"status_{status}"] += 1
-            state.window["scored"].append((header["reward"], seconds))
-            state.open[key]["scored"][header["sample_idx"]] = (header, arrays)
-            if len(state.open[key]["scored"]) == state.open[key]["size"]:
-                complete(state, key)
-        # --- send samples ---
-        while state.outbox and samples_sock.poll(0, zmq.POLLOUT):
-            try:
+            key, header, arrays = state.scoring.pop(ticket)
+            if key in state.open:  # else its group was dropped meanwhile
+                header.update(reward=reward_for(status, v, len(arrays["completion_ids"]), cfg.actor.max_tokens),
+                              status=status)
+                state.counts[f"status_{status}"] += 1
+                state.window["scored"].append((header["reward"], seconds))
+                state.open[key]["scored"][header["sample_idx"]] = (header, arrays)
+                if len(state.open[key]["scored"]) == state.open[key]["size"]:
+                    complete(state, key)
+        # --- push samples to the trainer ---
+        with contextlib.suppress(zmq.Again):  # no room after all: the rest waits for the next turn
+            while state.outbox and samples_sock.poll(0, zmq.POLLOUT):
                 samples_sock.send_multipart(state.outbox[0], zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            state.outbox.popleft()
-            state.window["samples"] += 1
-        # --- metrics; drop stale groups (a sample lost on the way) ---
+                state.outbox.popleft()
+                state.window["samples"] += 1
+        # --- drop stale groups (a sample lost on the way); log ---
         now = time.monotonic()
         if now - state.window["t"] >= cfg.run.log_every:
             for key, group in list(state.open.items()):

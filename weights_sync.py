@@ -1,23 +1,17 @@
 """The weight-update process group: trainer rank 0 broadcasts new weights to every vLLM worker.
 
 Consumes: the trainer's `(hf_name, full_tensor)` iterator (one sharding unit gathered at a time).
-Produces: the same tensors inside every vLLM worker, loaded with the worker's `reload_weights`.
-
-- Rendezvous: a `TCPStore` at `sync.host:sync.port` (master: trainer rank 0); the group lives under its
-  `PrefixStore("weights", store)`. `announced` (n, a counter) and `announce/<n>` (the version of the n-th
-  broadcast, set just before it starts, or "done"): the actor blocks on the next key, never polls.
-- One update = header, then buckets. Header: an int64 length, then that many bytes of UTF-8 JSON (never
-  pickle): version, manifest (name, shape, dtype), bucket layout (bucket and byte offset of each tensor,
-  bucket sizes). Buckets: flat byte buffers of `sync.bucket_mb` (`bucket_layout`).
-- Receiver: `WeightUpdateExtension` in every vLLM worker; `receive()` is a plain one for tests and tools.
+Produces: the same tensors inside every vLLM worker (`WeightUpdateExtension`), loaded with `reload_weights`.
+Rendezvous: a `TCPStore` at `sync.host:sync.port` (master: trainer rank 0). Before each broadcast the trainer
+bumps the counter `announced` to n and sets `announce/<n>` to its version ("done" at the end): the actor blocks
+on the next key, never polls. An update: a header (int64 length, then UTF-8 JSON, never pickle), then buckets.
 
 Simplifications:
 1. Every update sends the full model (no deltas, no quantization on the wire).
-2. Memory: the sender stages two buckets (packing one while the other is on the wire); a CPU receiver
-   keeps one model copy of receive buffers across updates (fresh ones cost page faults: see iter_tensors).
-3. Tied embeddings: the shared tensor travels once, as `model.embed_tokens.weight`, and vLLM's tied lm_head
-   reruns its own post-load step after every update (`refresh_tied_heads`; on CPU a V x H repack, as at
-   engine start); a quantized tied lm_head is refused.
+2. Memory: the sender stages two buckets (packs one while the other is on the wire); a CPU receiver keeps one
+   model copy of receive buffers across updates (see iter_tensors).
+3. Tied embeddings: the shared tensor travels once; vLLM's tied lm_head reruns its post-load step after every
+   update (`refresh_tied_heads`: on CPU a V x H repack, as at engine start); a quantized tied lm_head is refused.
 """
 import datetime
 import glob
@@ -47,10 +41,8 @@ def create_store(host: str, port: int, is_master: bool, timeout_s: float) -> dis
 
 def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout_s: float = 300.0):
     """A process group outside both programs' default worlds (DESIGN.md "Two programs, one gloo group")."""
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    prefix = dist.PrefixStore("weights", store)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
+    prefix, timeout = dist.PrefixStore("weights", store), datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
     opts = dist.ProcessGroupNCCL.Options()
@@ -60,10 +52,6 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
 
 def _device(pg) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if pg.name() == "nccl" else torch.device("cpu")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # --- sender (trainer rank 0) ------------------------------------------------------------------------
@@ -81,7 +69,7 @@ def bucket_layout(manifest, bucket_bytes: int):
             sizes.append(0)
             offset = 0
         sizes[-1] = offset + nbytes
-        entries.append({"name": name, "shape": list(shape), "dtype": _dtype_name(dtype),
+        entries.append({"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
                         "bucket": len(sizes) - 1, "offset": offset, "nbytes": nbytes, "own": alone})
     return entries, sizes
 
@@ -91,9 +79,7 @@ class WeightSender:
     the iterator's next yield must not overwrite (trainer.py allocates each gathered unit afresh)."""
 
     def __init__(self, store, pg, bucket_mb: float):
-        self.store, self.pg = store, pg
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.device = _device(pg)
+        self.store, self.pg, self.bucket_bytes, self.device = store, pg, int(bucket_mb * 2**20), _device(pg)
         self.staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def announce(self, value: str):
@@ -106,15 +92,13 @@ class WeightSender:
         self.announce(str(int(version)))  # the actor wakes on this and joins the broadcast
         self.pg.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device), 0).wait()
         self.pg.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), 0).wait()
-        packed = [None, None]  # the bucket on the wire from each staging buffer
-        own = {}  # index -> (broadcast, tensor) of the tensors on the wire from their own memory
-        slot = 1
-        tensors = iter(named_tensors)
+        tensors, slot = iter(named_tensors), 1
+        packed, own = [None, None], {}  # each staging buffer's broadcast; i -> (broadcast, tensor) from its memory
         for i, e in enumerate(entries):
             if i - 2 in own:  # the next yield may overwrite tensor i - 2: off the wire first
                 own.pop(i - 2)[0].wait()
             name, tensor = next(tensors, (None, None))
-            if name != e["name"] or list(tensor.shape) != e["shape"] or _dtype_name(tensor.dtype) != e["dtype"]:
+            if name != e["name"] or list(tensor.shape) != e["shape"] or tensor.dtype != getattr(torch, e["dtype"]):
                 got = "nothing" if name is None else f"{name} {list(tensor.shape)} {tensor.dtype}"
                 raise ManifestError(f"tensor #{i} is {got}, the manifest says {e['name']} {e['shape']} {e['dtype']}")
             data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -130,16 +114,15 @@ class WeightSender:
                 packed[slot] = self.pg.broadcast(self.staging[slot][:sizes[e["bucket"]]], 0)
         if next(tensors, None) is not None:
             raise ManifestError(f"the iterator yields more tensors than the manifest's {len(entries)}")
-        for work in packed + [work for work, _ in own.values()]:
-            if work is not None:
-                work.wait()
+        for work in [work for work in packed if work is not None] + [work for work, _ in own.values()]:
+            work.wait()
 
 
 class AsyncSender:
-    """Sends from a thread while the trainer trains the next step (issue 12). Memory: one full copy of the
-    weights on rank 0, which `stage` fills only while no broadcast runs (`idle`): no torn update. A version
-    that finds one running is skipped, so only the newest weights travel (each broadcast carries its own
-    version: per-token labels stay exact). sync.async_send=false: WeightSender.send, training waits."""
+    """Sends from a thread while the trainer trains the next step (issue 12). Memory: one full weight copy on
+    rank 0, filled only while no broadcast runs (`idle`): no torn update. A version that finds one running is
+    skipped: only the newest weights travel, each with its own version, so per-token labels stay exact.
+    sync.async_send=false: WeightSender.send, training waits."""
 
     def __init__(self, sender: WeightSender):
         self.sender, self.copy, self.manifest, self.error = sender, {}, None, None
@@ -159,22 +142,21 @@ class AsyncSender:
     def check(self):
         if self.error is not None:
             raise RuntimeError(f"the weight broadcast to the actors failed ({self.error}); is actor.py still "
-                               f"running? its vLLM workers are ranks 1.. of the weight group at sync.host:sync.port") \
-                from self.error
+                               "running? its vLLM workers are ranks 1.. of the weight group at sync.host:sync.port"
+                               ) from self.error
 
     def submit(self, version: int):
         """Broadcast `copy` as `version` from a thread (the caller staged it while idle)."""
+        def send():
+            try:
+                self.sender.send(version, iter(self.copy.items()), self.manifest)
+            except Exception as e:  # noqa: BLE001 - the trainer's loop raises it at its next submit/close
+                self.error = e
+            finally:
+                self.idle.set()
         self.check()
         self.idle.clear()
-        threading.Thread(target=self._send, args=(version,), daemon=True).start()
-
-    def _send(self, version: int):
-        try:
-            self.sender.send(version, iter(self.copy.items()), self.manifest)
-        except Exception as e:  # noqa: BLE001 - the trainer's loop raises it at its next submit/close
-            self.error = e
-        finally:
-            self.idle.set()
+        threading.Thread(target=send, daemon=True).start()
 
     def close(self):
         """Wait for the broadcast in flight (the actors keep receiving until they see "done")."""
@@ -214,14 +196,13 @@ def receive_header(pg, expected=None) -> dict:
 
 
 def iter_tensors(pg, header: dict, buffers=None, stats=None):
-    """Yield (name, tensor) as views into received buckets, the next two buckets in flight. One buffer per
-    bucket, never recycled within an update: vLLM's layerwise reload may hold views until a whole layer has
-    arrived. `buffers` (a dict) keeps them across updates: on CPU the first-touch page faults of fresh ones
-    cost as much as the wire (bench_weights.py); on GPU the caching allocator makes them free."""
-    device = _device(pg)
+    """Yield (name, tensor) as views into received buckets, two buckets in flight. A buffer per bucket, never
+    recycled within an update: vLLM's layerwise reload may hold views until a layer is complete. `buffers` keeps
+    them across updates: on CPU fresh ones' first-touch page faults cost as much as the wire (bench_weights.py);
+    on GPU the caching allocator makes them free."""
+    device, sizes = _device(pg), header["buckets"]
     stats = {} if stats is None else stats
     stats["wait_s"] = 0.0  # time spent waiting on the wire
-    sizes = header["buckets"]
 
     def post(b):  # -> (bucket b's buffer, its broadcast)
         buf = None if buffers is None else buffers.get(b)
@@ -230,7 +211,6 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
             if buffers is not None:
                 buffers[b] = buf
         return buf[:sizes[b]], pg.broadcast(buf[:sizes[b]], 0)
-
     posted = {b: post(b) for b in range(min(2, len(sizes)))}  # two buckets posted ahead
     for b, entries in itertools.groupby(header["tensors"], key=lambda e: e["bucket"]):  # every bucket, in order
         buf, work = posted.pop(b)
@@ -245,7 +225,7 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
 
 
 def receive(pg, expected=None):
-    """Plain receiver -> (version, {name: tensor}); `expected` as in receive_header."""
+    """Plain receiver (tests, tools) -> (version, {name: tensor}); `expected` as in receive_header."""
     header = receive_header(pg, expected)
     return header["version"], {n: t.clone() for n, t in iter_tensors(pg, header)}
 
@@ -259,11 +239,10 @@ def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
     if not files:
         raise ManifestError(f"{model_path}: no *.safetensors files to validate weight updates against")
     from safetensors import safe_open
-    out = {}
+    out, dtype_name = {}, str(dtype).removeprefix("torch.")
     for path in files:
         with safe_open(path, "pt") as f:
-            for name in f.keys():
-                out[name] = (list(f.get_slice(name).get_shape()), _dtype_name(dtype))
+            out.update({name: (list(f.get_slice(name).get_shape()), dtype_name) for name in f.keys()})
     return out
 
 
@@ -285,11 +264,10 @@ def tied_lm_heads(model) -> dict:
 
 
 def refresh_tied_heads(heads: dict):
-    """Make tied lm_heads follow the embedding a reload just wrote. `reload_weights` (model_loader/reload/
-    layerwise.py) writes the embedding's Parameter in place, which the head shares, but no checkpoint tensor
-    names the head, so its post-load step never reruns. On CPU that step (layers/utils.py
-    `dispatch_cpu_unquantized_gemm`) packed the weight into a oneDNN GEMM handle the logits use: stale unless
-    re-run. On GPU the logits read the shared Parameter (logits_processor.py `_apply_head`): a no-op."""
+    """`reload_weights` (model_loader/reload/layerwise.py) writes the embedding's Parameter in place, which a tied
+    head shares, but no checkpoint tensor names the head, so its post-load step never reruns. On CPU that step
+    (layers/utils.py `dispatch_cpu_unquantized_gemm`) packed the weight into the oneDNN GEMM handle the logits use:
+    stale unless re-run. On GPU the logits read the shared Parameter (logits_processor.py `_apply_head`): a no-op."""
     for head in heads.values():
         head.quant_method.process_weights_after_loading(head)
 
