@@ -127,6 +127,9 @@ MARGIN_S = 10.0  # a functional bound (the item must not hang), generous for a b
 @pytest.fixture(scope="module")
 def pool():
     with contextlib.closing(V.ScorePool(workers=2, timeout_s=TIMEOUT_S, max_chars=50_000)) as p:
+        deadline = time.monotonic() + 120  # start-up (imports: seconds, more on a loaded box) is not the bound tested
+        while not all(w["ready"] for w in p.workers) and time.monotonic() < deadline:
+            p.collect(timeout=0.2)
         yield p
 
 
