@@ -90,7 +90,10 @@ class ScorePool:
     @staticmethod
     def _stop(w):
         w["proc"].kill()
-        w["proc"].communicate()  # reaps it and closes its pipes, ignoring unflushed input to a dead worker
+        w["proc"].wait()
+        for pipe in (w["proc"].stdin, w["proc"].stdout):
+            with contextlib.suppress(OSError):  # unflushed input to a dead worker
+                pipe.close()
 
     def _replace(self, w):
         self._stop(w)
