@@ -339,9 +339,11 @@ class Actor:
         if cfg.actor.schedule == "conventional" and self.updating is not None and not self.updating.done():
             return False  # one policy per RL step: nothing starts while the weights change
         while st.inflight + gs <= cfg.actor.max_inflight * len(self.engines):
-            if not admit(cfg, st, cfg.actor_procs) and now - self.drops_checked > 0.05:  # spent: any given back?
+            ok = admit(cfg, st, cfg.actor_procs)
+            if not ok and now - self.drops_checked > 0.05:  # budget spent: samples given back since we looked?
                 self.drops_checked, st.dropped = now, int(self.store.add(f"dropped/{self.proc}", 0))
-            if not admit(cfg, st, cfg.actor_procs):
+                ok = admit(cfg, st, cfg.actor_procs)
+            if not ok:
                 blocked = cfg.actor.schedule == "pipeline"
                 break
             gid, self.next_group = self.next_group, self.next_group + cfg.actor_procs
