@@ -286,15 +286,6 @@ def decode(frames: list, kind: str = None):
     return header, arrays
 
 
-def send(sock, header: dict, arrays: dict):
-    sock.send_multipart(encode(header, arrays), copy=False)
-
-
-def recv(sock, kind: str = None):
-    """Blocking receive of one message; raises WireError if it is malformed."""
-    return decode(sock.recv_multipart(copy=True), kind)
-
-
 def zmq_addr(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
@@ -333,12 +324,3 @@ def log(role: str, metrics: dict, step: int):
     summary = " ".join(f"{k.split('/', 1)[1]}={v:.4g}" if isinstance(v, float) else f"{k.split('/', 1)[1]}={v}"
                        for k, v in record.items() if not isinstance(v, (list, dict)))
     print(f"[{role}] step {step} {summary}", flush=True)
-
-
-def read_jsonl(path) -> list:
-    """Records of a metrics file; a torn last line (a killed writer) is skipped."""
-    records = []
-    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):
-            records.append(json.loads(line))
-    return records

@@ -7,7 +7,7 @@ Notation (shapes: B sequences, T completion tokens, V vocab):
   c        IS truncation (`is_clamp`, 5 in the paper);  sg[.] stop-gradient
   N_seq    `num_sequences`: sequences in the whole optimizer step (all micro-batches, all ranks)
 
-  (1) A_i   = r_i − mean_{j in group(i)} r_j              [÷ (std_group + eps), off by default]
+  (1) A_i   = r_i − mean_{j in group(i)} r_j              (no ÷ std_group: the paper's code; GRPO's is a fork)
   (2) log π(y_t) = z_t[y_t] − logsumexp_{v in K_t} z_t[v],  z_t = logits_t / temperature, K_t the kept tokens:
       all, or with top-p the nucleus as vLLM's sampler cuts it (the actor's μ is renormalised over it)
   (3) H_t   = −Σ_{v in K_t} π(v) log π(v)                 (entropy, a diagnostic only)
@@ -27,18 +27,14 @@ LAG_BUCKET_EDGES = [0, 1, 2, 3, 5, 9]
 LAG_BUCKET_LABELS = ["0", "1", "2", "3-4", "5-8", ">8"]
 
 
-def group_advantages(rewards, group_size, normalize_std=False, eps=1e-6):
-    """(1) rewards [N] (tensor, numpy array or list), laid out group after group -> float32 tensor [N]. Std
-    normalisation (GRPO) is off by default, as in the paper's code; population std: a group of one gives 0."""
+def group_advantages(rewards, group_size):
+    """(1) rewards [N] (tensor, numpy array or list), laid out group after group -> float32 tensor [N]."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # [N]
     n = rewards.numel()
     if group_size < 1 or n % group_size != 0:
         raise ValueError(f"group_advantages: {n} rewards do not split into groups of group_size={group_size}")
     grouped = rewards.view(-1, group_size)  # [N/group_size, group_size]
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # (1) [N/group_size, group_size]
-    if normalize_std:
-        advantages = advantages / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)  # (1)
-    return advantages.reshape(-1)  # [N]
+    return (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # (1) [N]
 
 
 def nucleus_mask(scaled, top_p):

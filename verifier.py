@@ -72,8 +72,8 @@ def _worker_loop():
 
 class ScorePool:
     """`workers` scoring processes (simplification 3); an item's `timeout_s` runs from when a worker takes it.
-    Completions are cut to their last `max_chars` characters (the answer is at the end). Use score_many, or submit
-    + collect, not both. Workers die with the thread that started them (PR_SET_PDEATHSIG): use a long-lived one."""
+    Completions are cut to their last `max_chars` characters (the answer is at the end): submit, then
+    collect. Workers die with the thread that started them (PR_SET_PDEATHSIG): use a long-lived one."""
 
     def __init__(self, workers: int, timeout_s: float, max_chars: int):
         self.timeout_s, self.max_chars = timeout_s, max_chars
@@ -148,13 +148,6 @@ class ScorePool:
         self._dispatch()
         out, self.results = self.results, []
         return out
-
-    def score_many(self, items: list) -> list:
-        """[(completion, answer, task)] -> [(reward, status)] in the same order."""
-        tickets, done = [self.submit(*item) for item in items], {}
-        while len(done) < len(items):
-            done.update({t: (reward, status) for t, reward, status, _ in self.collect(timeout=0.1)})
-        return [done[t] for t in tickets]
 
     def close(self):
         for w in self.workers:

@@ -224,12 +224,6 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
             yield e["name"], view.reshape(e["shape"])
 
 
-def receive(pg, expected=None):
-    """Plain receiver (tests, tools) -> (version, {name: tensor}); `expected` as in receive_header."""
-    header = receive_header(pg, expected)
-    return header["version"], {n: t.clone() for n, t in iter_tensors(pg, header)}
-
-
 def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
     """name -> (shape, dtype) from the safetensors headers of the checkpoint the engine loaded."""
     if not os.path.isdir(model_path):

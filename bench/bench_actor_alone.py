@@ -43,6 +43,7 @@ def main():
     import zmq
     import actor
     import common
+    from scripts.launch import read_jsonl
     import weights_sync as ws
     from safetensors.torch import load_file
     from tests.conftest import free_port
@@ -89,7 +90,7 @@ def main():
     t0, cpu = time.time(), []
     asyncio.run(run())
     stop.set()
-    recs = [r for r in common.read_jsonl(Path(tmp) / "metrics_actor.jsonl") if "actor/engine_tokens_per_s" in r]
+    recs = [r for r in read_jsonl(Path(tmp) / "metrics_actor.jsonl") if "actor/engine_tokens_per_s" in r]
     keep = [r["actor/engine_tokens_per_s"] for r in recs if r["time"] > t0 + (recs[-1]["time"] - t0) / 4]
     # engine tokens made while the front-end's CPU time was counted: rate x window of each record inside it
     tokens = sum(r["actor/engine_tokens_per_s"] * (r["time"] - q["time"]) for q, r in zip(recs, recs[1:])
@@ -97,7 +98,10 @@ def main():
     print(f"\n== the actor alone, h={args.h}, cores {args.cores} ({'pinned' if args.pin else 'engine process there, front-end elsewhere'}): "
           f"{np.mean(keep):.0f} engine tokens/s (mean of {len(keep)} one-second records; {got[0]} rollouts); "
           f"front-end CPU {1000 * (cpu[1][1] - cpu[0][1]) / max(tokens, 1):.3f} s per 1k engine tokens "
-          f"({(cpu[1][1] - cpu[0][1]) / (cpu[1][0] - cpu[0][0]):.2f} of a core)")
+          f"({(cpu[1][1] - cpu[0][1]) / (cpu[1][0] - cpu[0][0]):.2f} of a core)", flush=True)
+    # Leave at once: tearing down the gloo group and the store (this process is its master) at interpreter exit,
+    # with the engine's worker gone, aborts ("terminate called ... TCPStore"); there is nothing left to clean up.
+    os._exit(0)
 
 
 if __name__ == "__main__":

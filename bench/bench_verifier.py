@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tasks  # noqa: E402
+from tests.conftest import score_many  # noqa: E402
 from verifier import ScorePool  # noqa: E402
 
 # Math templates filled with random numbers, so that math_verify's parse cache does not make repeats free.
@@ -68,13 +69,13 @@ def main():
              args.workers: ScorePool(args.workers, timeout_s=10, max_chars=20_000)}
     try:
         for pool in pools.values():  # warm up: every worker started and has parsed once
-            pool.score_many(make_items(4 * args.workers, seed=1))
+            score_many(pool, make_items(4 * args.workers, seed=1))
         seconds = {w: 0.0 for w in pools}
         statuses = Counter()
         for r in range(args.rounds):
             for w, pool in pools.items():
                 t0 = time.perf_counter()
-                results = pool.score_many(items[r::args.rounds])  # fresh items each round
+                results = score_many(pool, items[r::args.rounds])  # fresh items each round
                 seconds[w] += time.perf_counter() - t0
                 if w == 1:
                     statuses.update(status for _, status in results)

@@ -10,6 +10,7 @@ progress lines and closing summary.
 `shell` reads NODE_RANK and NNODES as run.sh exports them. A bad config prints `config error: ...` alone
 on stderr and exits 2, before any process starts.
 """
+import contextlib
 import json
 import os
 import shlex
@@ -190,6 +191,15 @@ def shell(overrides: list, visible=None) -> str:
     return "\n".join(lines)
 
 
+def read_jsonl(path) -> list:
+    """Records of a metrics file (run directories, tests, plots); a torn last line (a killed writer) is skipped."""
+    records = []
+    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records
+
+
 def _new_records(path: Path, offset: int):
     """Complete JSONL lines appended to `path` since byte `offset` -> (records, new offset)."""
     try:
@@ -227,8 +237,8 @@ def progress(run_dir: str, poll_s: float = 1.0):
 
 def summary(run_dir: str) -> str:
     """run.sh's closing line: steps, first/last test reward, mean of the last three evaluations, max lag."""
-    steps = [r for r in common.read_jsonl(Path(run_dir) / "metrics_trainer.jsonl") if "trainer/done" not in r]
-    evals = common.read_jsonl(Path(run_dir) / "eval.jsonl")
+    steps = [r for r in read_jsonl(Path(run_dir) / "metrics_trainer.jsonl") if "trainer/done" not in r]
+    evals = read_jsonl(Path(run_dir) / "eval.jsonl")
     line = f"[run.sh] summary: {steps[-1]['step'] if steps else 0} steps"
     if evals:
         last3 = [e["test_reward"] for e in evals[-3:]]

@@ -35,7 +35,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from common import read_jsonl  # noqa: E402
+from scripts.launch import read_jsonl  # noqa: E402
 from loss import LAG_BUCKET_LABELS  # noqa: E402
 
 DEFAULT_TARGET = 0.6

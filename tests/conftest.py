@@ -21,6 +21,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# --- the core's calls as tests use them (the roles call the parts these join) ------------------------------
+
+def read_jsonl(path) -> list:
+    from scripts.launch import read_jsonl
+    return read_jsonl(path)
+
+
+def send(sock, header: dict, arrays: dict):
+    import common
+    sock.send_multipart(common.encode(header, arrays), copy=False)
+
+
+def recv(sock, kind: str = None):
+    """Blocking receive of one message; raises WireError if it is malformed."""
+    import common
+    return common.decode(sock.recv_multipart(copy=True), kind)
+
+
+def receive_weights(pg, expected=None):
+    """A plain receiver of one weight update -> (version, {name: tensor}); `expected` as in receive_header."""
+    import weights_sync
+    header = weights_sync.receive_header(pg, expected)
+    return header["version"], {n: t.clone() for n, t in weights_sync.iter_tensors(pg, header)}
+
+
+def score_many(pool, items: list) -> list:
+    """[(completion, answer, task)] -> [(reward, status)] in the same order, through a verifier.ScorePool."""
+    tickets, done = [pool.submit(*item) for item in items], {}
+    while len(done) < len(items):
+        done.update({t: (reward, status) for t, reward, status, _ in pool.collect(timeout=0.1)})
+    return [done[t] for t in tickets]
+
+
 def vllm_greedy(model_dir, prompt_ids, max_tokens=16, timeout=600):
     """Greedy token ids from real vLLM (a subprocess: vLLM spawns workers and keeps global state)."""
     import json

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, read_jsonl, recv
 
 import actor
 import common
@@ -326,7 +326,7 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False, proc_index=0):
     env["loop"].run_until_complete(both())
     rest = []
     while pull.poll(200):
-        rest.append(common.recv(pull, "rollout"))
+        rest.append(recv(pull, "rollout"))
     pull.close()
     if "error" in result:
         raise result["error"]
@@ -338,7 +338,7 @@ def _pull(pull, n, timeout_s=60):
     out = []
     for _ in range(n):
         assert pull.poll(timeout_s * 1000), f"deadlock: got {len(out)} of {n} rollouts in {timeout_s} s"
-        out.append(common.recv(pull, "rollout"))
+        out.append(recv(pull, "rollout"))
     return out
 
 
@@ -654,5 +654,5 @@ def test_actor_process_end_to_end(env, tmp_path):
     v0 = [(h, a) for h, a in evals if h["group_id"] == 0]  # the pass that started at version 0
     assert sorted(h["sample_idx"] for h, _ in v0) == list(range(20)) and {h["group_size"] for h, _ in v0} == {20}
     assert all(len(a["completion_ids"]) > 0 and (a["versions"] >= 0).all() for _, a in v0)
-    metrics = common.read_jsonl(tmp_path / "metrics_actor.jsonl")
+    metrics = read_jsonl(tmp_path / "metrics_actor.jsonl")
     assert any("actor/tokens_per_s" in m and "actor/engine_tokens_per_s" in m for m in metrics)

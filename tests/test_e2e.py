@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import common
-from conftest import REPO, free_port, hf_greedy, vllm_greedy
+from conftest import REPO, free_port, hf_greedy, read_jsonl, vllm_greedy
 
 MAX_LAG = 2
 
@@ -61,16 +61,16 @@ def wait_for(cond, timeout, proc=None, what=""):
 
 
 def trainer_steps(run_dir):
-    return [r["step"] for r in common.read_jsonl(Path(run_dir) / "metrics_trainer.jsonl")]
+    return [r["step"] for r in read_jsonl(Path(run_dir) / "metrics_trainer.jsonl")]
 
 
 def check_run_dir(run_dir):
     run_dir = Path(run_dir)
     for role in ("actor", "verifier", "trainer"):
-        assert common.read_jsonl(run_dir / f"metrics_{role}.jsonl"), f"no {role} metrics"
+        assert read_jsonl(run_dir / f"metrics_{role}.jsonl"), f"no {role} metrics"
         assert (run_dir / f"run_info_{role}.json").exists()
     # trained sequences: per-token versions; lag <= max_lag everywhere; in-flight updates happened
-    records = common.read_jsonl(run_dir / "samples_trainer.jsonl")
+    records = read_jsonl(run_dir / "samples_trainer.jsonl")
     assert records
     spans_two, max_lag = False, 0
     for rec in records:
@@ -97,7 +97,7 @@ def test_e2e_single_node(tiny_model_dir, tmp_path):
     assert "[run.sh] done" in out
     check_run_dir(run_dir)
     assert trainer_steps(run_dir)[-1] == 4
-    assert common.read_jsonl(run_dir / "eval.jsonl"), "no test evaluation recorded"
+    assert read_jsonl(run_dir / "eval.jsonl"), "no test evaluation recorded"
     # the trained checkpoint also loads in vLLM and generates what HF generates
     ckpt = max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     prompts = [[49, 50, 43, 51, 52, 61, 10], [57, 43, 57, 61, 10]]  # "12+34=\n", "9+9=\n" as bytes
@@ -105,7 +105,7 @@ def test_e2e_single_node(tiny_model_dir, tmp_path):
 
 
 def max_token_lag(run_dir):
-    return max(rec["trainer_version"] - v for rec in common.read_jsonl(Path(run_dir) / "samples_trainer.jsonl")
+    return max(rec["trainer_version"] - v for rec in read_jsonl(Path(run_dir) / "samples_trainer.jsonl")
                for runs in rec["version_runs"] for v, _ in runs)
 
 
@@ -147,7 +147,7 @@ def test_dropped_groups_do_not_stall_either_schedule(tmp_path, schedule):
     rc, out = finish(start(short_config(eos_model_dir(tmp_path / "model"), run_dir, **extra)), timeout=600)
     assert rc == 0, out[-6000:]
     assert trainer_steps(run_dir)[-1] == 4
-    verifier = common.read_jsonl(run_dir / "metrics_verifier.jsonl")[-1]
+    verifier = read_jsonl(run_dir / "metrics_verifier.jsonl")[-1]
     assert verifier["verifier/dropped_groups"] >= 1, verifier  # the drops happened
     assert max_token_lag(run_dir) <= MAX_LAG
 
@@ -229,9 +229,9 @@ def test_gpu_recipe_runs_on_cpu_with_what_run_sh_installs(tmp_path):
     assert trainer_steps(run_dir)[-1] == 3
     resolved = common.load_config([], path=run_dir / "config.yaml")
     assert (resolved.data.task, resolved.data.prompt_format, resolved.trainer.lr) == ("math", "chat", 1e-6)
-    evals = common.read_jsonl(run_dir / "eval.jsonl")
+    evals = read_jsonl(run_dir / "eval.jsonl")
     assert evals and evals[0]["version"] == 0  # the 4 test problems, graded by math_verify
-    assert len(common.read_jsonl(run_dir / "samples_trainer.jsonl")) == 3
+    assert len(read_jsonl(run_dir / "samples_trainer.jsonl")) == 3
 
 
 def _descendants(pid):

@@ -14,7 +14,7 @@ import zmq
 import common
 import tasks
 from common import ConfigError, WireError
-from conftest import REPO, free_port, hf_greedy, vllm_greedy
+from conftest import REPO, free_port, hf_greedy, read_jsonl, recv, send, vllm_greedy
 
 
 # --- config -----------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def test_run_info_and_metrics(tmp_path):
     assert common.load_config([], path=tmp_path / "config.yaml") == cfg  # resolved config reloads
     common.setup_logging(cfg, "actor")
     common.log("actor", {"tokens_per_s": 12.5, "lag_max": 3}, step=7)
-    rec = common.read_jsonl(tmp_path / "metrics_actor.jsonl")[-1]
+    rec = read_jsonl(tmp_path / "metrics_actor.jsonl")[-1]
     assert rec["step"] == 7 and rec["actor/tokens_per_s"] == 12.5 and rec["actor/lag_max"] == 3
 
 
@@ -131,7 +131,7 @@ def test_wandb_offline_mirror(tmp_path, monkeypatch):
             break
         time.sleep(0.5)
     assert b"verifier/reward_mean" in blob and b"0.625" in blob and b"verifier/queue_depth" in blob
-    assert common.read_jsonl(tmp_path / "metrics_verifier.jsonl")[-1]["verifier/reward_mean"] == 0.625
+    assert read_jsonl(tmp_path / "metrics_verifier.jsonl")[-1]["verifier/reward_mean"] == 0.625
 
 
 # --- wire format --------------------------------------------------------------------------------------
@@ -152,11 +152,11 @@ def test_wire_roundtrip_over_zmq():
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
     h, a = _rollout()
-    common.send(push, h, a)
+    send(push, h, a)
     sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5}
-    common.send(push, sample, a)
-    h2, a2 = common.recv(pull, "rollout")
-    h3, a3 = common.recv(pull, "sample")
+    send(push, sample, a)
+    h2, a2 = recv(pull, "rollout")
+    h3, a3 = recv(pull, "sample")
     assert h2 == h and h3 == sample
     for k in a:
         assert a2[k].dtype == a[k].dtype and np.array_equal(a2[k], a[k]) and np.array_equal(a3[k], a[k])

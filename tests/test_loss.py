@@ -30,14 +30,10 @@ def test_group_advantages_hand_made():
         torch.testing.assert_close(L.group_advantages(rewards, 2), torch.tensor([0.5, -0.5, 0.0, 0.0]))
 
 
-def test_group_advantages_std_normalisation():
+def test_group_advantages_no_std_division():
     rewards = [0.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
-    # off by default: plain r - mean
-    torch.testing.assert_close(L.group_advantages(rewards, 4)[:4], torch.tensor([-0.25, -0.25, -0.25, 0.75]))
-    # on: population std of [0,0,0,1] = sqrt(0.1875) = 0.4330; all-equal group stays 0 (not NaN)
-    adv = L.group_advantages(rewards, 4, normalize_std=True)
-    s = math.sqrt(0.1875)
-    torch.testing.assert_close(adv, torch.tensor([-0.25 / s] * 3 + [0.75 / s] + [0.0] * 4), rtol=1e-5, atol=1e-5)
+    # plain r - mean (the paper's code): a GRPO std division would give -0.25/0.433 = -0.577; all-equal stays 0
+    torch.testing.assert_close(L.group_advantages(rewards, 4), torch.tensor([-0.25, -0.25, -0.25, 0.75] + [0.0] * 4))
 
 
 def test_group_advantages_bad_n_raises():

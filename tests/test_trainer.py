@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 import common  # noqa: E402
 import loss  # noqa: E402
 import trainer  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import free_port, read_jsonl, receive_weights  # noqa: E402
 
 torch.set_num_threads(1)
 LR, WD, TEMP, CLIP = 1e-3, 0.1, 0.7, 1.0
@@ -351,7 +351,7 @@ def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
     if rank == 2:  # the actor's side: joins the weight group as rank 1
         store = ws.create_store("127.0.0.1", sync_port, False, 60)
         pg = ws.init_group(store, 1, 2, "gloo", 60)
-        got = [ws.receive(pg) for _ in range(2)]
+        got = [receive_weights(pg) for _ in range(2)]
         torch.save({"got": got, "cursor": store.get("cursor").decode()}, Path(tmp) / "receiver.pt")
         return
     _init(rank, 2, port)
@@ -475,7 +475,7 @@ def _fake_actor(sync_port, versions, out):
     pg = ws.init_group(store, 1, 2, "gloo", 60)
     out["cursor"] = store.get("cursor").decode()
     for _ in range(versions):
-        out.setdefault("versions", []).append(ws.receive(pg)[0])
+        out.setdefault("versions", []).append(receive_weights(pg)[0])
     store.wait([f"announce/{versions + 1}"], timedelta(seconds=60))  # "done"; as actor.py: tell the trainer it was
     store.add("done_ack", 1)  # seen, so that it need not keep its store up for another 30 s
 
@@ -528,20 +528,20 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
 
     actor, out = run(2, 4, "trainer.max_steps=3", "sync.async_send=false")  # every version, in order
     assert actor == {"cursor": "0", "versions": [0, 1, 2, 3]}, out
-    recs = [r for r in common.read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
+    recs = [r for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
     keys = {"trainer/ess", "trainer/kl", "trainer/clamp_frac", "trainer/lag_mean", "trainer/tokens_per_s",
             "trainer/wait_s", "trainer/broadcast_s", "trainer/kl_lag_2", "trainer/tokens_lag_2",
             "trainer/lag_by_position"}
     assert keys <= set(recs[-1]) and recs[-1]["trainer/malformed"] == 1 and recs[1]["trainer/lag_max"] == 1
-    rows = common.read_jsonl(tmp_path / "samples_trainer.jsonl")
+    rows = read_jsonl(tmp_path / "samples_trainer.jsonl")
     assert [r["trainer_version"] for r in rows] == [0, 1, 2] and len(rows[0]["group_ids"]) == 2  # rank 0's share
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-3"]
     max_group = json.loads((tmp_path / "checkpoints/step-3/trainer_state.json").read_text())["max_group_id"]
 
     actor, out = run(1, 2, "trainer.max_steps=4", "run.resume=true", "sync.async_send=false")
     assert actor == {"cursor": str(max_group + 1), "versions": [3, 4]}, out
-    assert [r["step"] for r in common.read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r][-1] == 4
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r][-1] == 4
 
     push.close()
 
@@ -589,7 +589,7 @@ def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_pa
     stop.set()
     push.close()
     assert proc.returncode == 0, out
-    recs = [r for r in common.read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
+    recs = [r for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
     assert [r["trainer/step_skipped"] for r in recs] == [0, 1, 0] and recs[-1]["trainer/skipped_steps"] == 1
     assert recs[-1]["trainer/malformed"] == 1
     threads[0].join(timeout=30)
@@ -600,7 +600,7 @@ def _dying_actor(sync_port):
     """Joins the weight group, takes version 0, then dies without a word (os._exit: no clean shutdown)."""
     import weights_sync as ws
     pg = ws.init_group(ws.create_store("127.0.0.1", sync_port, False, 60), 1, 2, "gloo", 60)
-    ws.receive(pg)
+    receive_weights(pg)
     os._exit(0)
 
 

@@ -18,6 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import common  # noqa: E402
 import tasks  # noqa: E402
+import conftest  # noqa: E402
+from conftest import read_jsonl, recv, score_many  # noqa: E402
 import verifier as V  # noqa: E402
 
 BIG_POW = "\\boxed{9^{9^{9^{9}}}}"  # sympy tries to evaluate it: verify never returns (measured > 30 s)
@@ -159,19 +161,19 @@ def test_pool_hostile_input_is_bounded_and_pool_keeps_serving(pool, name, item, 
     assert status in allowed, name
     assert reward == (1.0 if status == "correct" else 0.0)
     assert normal == (1.0, "correct")
-    assert pool.score_many([NORMAL, ("\\boxed{\\frac{1}{2}}", "0.5", "math")]) == [(1.0, "correct")] * 2
+    assert score_many(pool, [NORMAL, ("\\boxed{\\frac{1}{2}}", "0.5", "math")]) == [(1.0, "correct")] * 2
 
 
 def test_pool_cuts_completions_to_max_chars():
     with contextlib.closing(V.ScorePool(workers=1, timeout_s=30, max_chars=100)) as p:
         tail = ("y" * 200 + "\\boxed{7}", "7", "math")
         head = ("\\boxed{7}" + "y" * 200, "7", "math")
-        assert p.score_many([tail, head]) == [(1.0, "correct"), (0.0, "no_answer")]
+        assert score_many(p, [tail, head]) == [(1.0, "correct"), (0.0, "no_answer")]
 
 
 def test_pool_replaces_a_killed_worker():
     with contextlib.closing(V.ScorePool(workers=1, timeout_s=120, max_chars=50_000)) as p:
-        assert p.score_many([NORMAL]) == [(1.0, "correct")]  # the worker is up
+        assert score_many(p, [NORMAL]) == [(1.0, "correct")]  # the worker is up
         pid = p.workers[0]["proc"].pid
         ticket = p.submit(BIG_POW, "5", "math")  # hangs: only the kill can end it before 120 s
         assert p.workers[0]["job"] == ticket
@@ -183,7 +185,7 @@ def test_pool_replaces_a_killed_worker():
         (t, reward, status, seconds), = results
         assert (t, reward, status) == (ticket, 0.0, "timeout") and seconds < 60  # death seen, not the limit
         assert p.restarts == 1 and p.workers[0]["proc"].pid != pid
-        assert p.score_many([NORMAL, ("\\boxed{0.5}", "\\frac{1}{2}", "math")]) == [(1.0, "correct")] * 2
+        assert score_many(p, [NORMAL, ("\\boxed{0.5}", "\\frac{1}{2}", "math")]) == [(1.0, "correct")] * 2
 
 
 # --- (b) verifier.py as a process between real sockets -----------------------------------------------
@@ -245,7 +247,7 @@ def receive(pull, n, timeout_s=60):
     deadline = time.monotonic() + timeout_s
     while len(out) < n and time.monotonic() < deadline:
         if pull.poll(200):
-            out.append(common.recv(pull, "sample"))  # also checks the sample schema
+            out.append(recv(pull, "sample"))  # also checks the sample schema
     return out
 
 
@@ -258,7 +260,7 @@ def wait_metrics(run_dir, done, timeout_s=60):
     path = os.path.join(run_dir, "metrics_verifier.jsonl")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        records = common.read_jsonl(path)
+        records = read_jsonl(path)
         if records and done(records[-1]):
             return records[-1]
         time.sleep(0.2)
@@ -283,7 +285,7 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
         def send(group_id, idx, size, task, answer, text, eos=True):
             header, arrays = rollout(tok, group_id, idx, size, task, answer, text, eos)
             sent[(group_id, idx)] = arrays
-            common.send(push, header, arrays)
+            conftest.send(push, header, arrays)
 
         # group 1: rewards 1, -0.5 (wrong, from the config), 0 (no answer), 1 -> mean 0.375
         send(1, 0, 4, "arithmetic", "12", "7+5=12\n#12")  # EOS must be skipped or this is no_answer
@@ -353,9 +355,9 @@ def test_service_drops_zero_advantage_groups_when_asked(tmp_path, tokenizer_dir)
     proc, push, pull, ctx = start_verifier(run_dir, model_dir, "verifier.drop_zero_adv_groups=true", store=store)
     try:
         for idx in range(2):
-            common.send(push, *rollout(tok, 1, idx, 2, "arithmetic", "5", "#5"))  # all correct: dropped
-        common.send(push, *rollout(tok, 2, 0, 2, "arithmetic", "5", "#5"))
-        common.send(push, *rollout(tok, 2, 1, 2, "arithmetic", "5", "#6"))
+            conftest.send(push, *rollout(tok, 1, idx, 2, "arithmetic", "5", "#5"))  # all correct: dropped
+        conftest.send(push, *rollout(tok, 2, 0, 2, "arithmetic", "5", "#5"))
+        conftest.send(push, *rollout(tok, 2, 1, 2, "arithmetic", "5", "#6"))
         samples = receive(pull, 2)
         assert not pull.poll(1000)
         assert sorted((h["group_id"], h["advantage"]) for h, _ in samples) == [(2, -0.5), (2, 0.5)]
@@ -378,12 +380,12 @@ def test_service_grades_evaluations_and_drops_non_finite_rollouts(tmp_path, toke
         for i, text in enumerate(["#5", "#4", "#5", "nothing"]):  # 2 of 4 right
             h, a = rollout(tok, 30, i, 4, "arithmetic", "5", text)
             a["versions"] = np.full(len(a["versions"]), 30 + i // 2, np.int32)  # the pass spans versions 30-31
-            common.send(push, {**h, "eval": True}, a)
+            conftest.send(push, {**h, "eval": True}, a)
         h, a = rollout(tok, 30, 0, 2, "arithmetic", "5", "#5")  # training group 30: another id space
-        common.send(push, {**h, "proc": 1}, a)
+        conftest.send(push, {**h, "proc": 1}, a)
         a = {**a, "logprobs": a["logprobs"].copy()}
         a["logprobs"][0] = np.nan
-        common.send(push, {**h, "sample_idx": 1, "proc": 1}, a)
+        conftest.send(push, {**h, "sample_idx": 1, "proc": 1}, a)
         m = wait_metrics(run_dir, lambda r: r["verifier/evaluations"] == 1 and r["verifier/malformed"] == 1)
         assert (m["verifier/dropped_groups"], m["verifier/groups_forwarded"]) == (1, 0)
         assert m["verifier/test_reward"] == 0.5 and m["verifier/test_version"] == 30
@@ -391,5 +393,5 @@ def test_service_grades_evaluations_and_drops_non_finite_rollouts(tmp_path, toke
         assert store.add("dropped/1", 0) == 2 and store.add("dropped/0", 0) == 0
     finally:
         stop_verifier(proc, ctx, run_dir)
-    (record,) = common.read_jsonl(os.path.join(run_dir, "eval.jsonl"))
+    (record,) = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
     assert (record["version"], record["versions"], record["test_reward"], record["n"]) == (30, [30, 31], 0.5, 4)

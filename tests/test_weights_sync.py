@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import weights_sync as ws  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import free_port, receive_weights  # noqa: E402
 
 BUCKET_MB = 16 / 1024  # 16 KiB buckets: many buckets, and the 40 KB tensor gets its own
 
@@ -67,7 +67,7 @@ def _run_rank(rank, world, port, scenario, q):
         if scenario == "roundtrip":
             out = []
             for v in (3, 4):
-                version, got = ws.receive(pg, _expected(_tensors(0)))
+                version, got = receive_weights(pg, _expected(_tensors(0)))
                 out.append((version, {n: (t.dtype, bool(torch.equal(t, ref))) for (n, ref), t in
                                       zip(_tensors(v), got.values())}, list(got)))
             q.put((rank, out))
@@ -79,18 +79,18 @@ def _run_rank(rank, world, port, scenario, q):
             header = json.loads(bytes(raw.numpy()).decode("utf-8"))
             for _ in ws.iter_tensors(pg, header):  # the buckets of version 3
                 pass
-            version, _ = ws.receive(pg)
+            version, _ = receive_weights(pg)
             q.put((rank, (bytes(raw.numpy()[:1]), header, version)))
         elif scenario == "mismatch":
             bad = _expected(_tensors(0))
             bad["a.weight"] = ([5, 3], "float32")
             bad["b.renamed"] = bad.pop("b.weight")
             try:
-                ws.receive(pg, bad)
+                receive_weights(pg, bad)
                 err = None
             except ws.ManifestError as e:
                 err = str(e)
-            version, got = ws.receive(pg, _expected(_tensors(0)))  # the group is still in step
+            version, got = receive_weights(pg, _expected(_tensors(0)))  # the group is still in step
             q.put((rank, (err, version, torch.equal(got["e.weight"], _tensors(4)[5][1]))))
     except Exception:  # pragma: no cover - reported to the test
         q.put((rank, traceback.format_exc()))
