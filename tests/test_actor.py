@@ -656,3 +656,44 @@ def test_actor_process_end_to_end(env, tmp_path):
     assert all(len(a["completion_ids"]) > 0 and (a["versions"] >= 0).all() for _, a in v0)
     metrics = read_jsonl(tmp_path / "metrics_actor.jsonl")
     assert any("actor/tokens_per_s" in m and "actor/engine_tokens_per_s" in m for m in metrics)
+
+
+def test_two_engines_in_one_actor_process(env, tmp_path):
+    """actor.engines=2 (the GPU recipe runs engines: 4; here on CPU): two engine core processes, whose
+    workers join the weight group as ranks 1 and 2 of 3 (init_group returns only then); each update reaches
+    both (update_weights checks every worker's version) and, with max_lag=0, every batch is sampled by
+    exactly one version, in cursor order, until SIGTERM ends the process cleanly."""
+    import psutil
+    import zmq
+    store = ws.create_store("127.0.0.1", 0, True, 60)
+    store.set("cursor", "0")
+    rollouts = free_port()
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(common.zmq_addr("127.0.0.1", rollouts))
+    log_file = open(tmp_path / "actor.log", "w")
+    proc = subprocess.Popen([sys.executable, str(REPO / "actor.py"), f"model.path={env['model_dir']}",
+                             f"run.dir={tmp_path}", f"sync.port={store.port}", f"ports.rollouts={rollouts}",
+                             "actor.engines=2", "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "actor.eval_every=0",
+                             "trainer.batch_size=8", "actor.group_size=4", "actor.max_lag=0", "actor.max_tokens=16"],
+                            stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        pg = ws.init_group(store, 0, 3, "gloo", 180)  # returns once both engines' workers joined
+        sender = ws.WeightSender(store, pg, 1)
+        batches = []
+        for version in range(3):
+            sender.send(version, iter(env["sd"].items()), manifest(env["sd"]))
+            batches.append(_pull(pull, 8, timeout_s=120))  # max_lag=0: one batch per version
+        cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        pull.close()
+        log_file.close()
+    out = open(tmp_path / "actor.log").read()
+    assert proc.returncode == 0, out[-3000:]
+    assert len(cores) == 2, out[-3000:]  # one engine core process per engine
+    for version, batch in enumerate(batches):
+        assert sorted({h["group_id"] for h, _ in batch}) == [2 * version, 2 * version + 1]
+        assert all((a["versions"] == version).all() for _, a in batch), version
