@@ -5,6 +5,7 @@ Run: .venv/bin/python -m pytest -q tests/test_actor.py       (~1.5 min on 2 core
 the module, plus one `python actor.py` subprocess)
 """
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -593,34 +594,45 @@ def test_peer_timeout_names_trainer(tmp_path):
     assert f"127.0.0.1:{port}" in p.stderr, p.stderr[-2000:]
 
 
+@contextlib.contextmanager
+def actor_process(env, tmp_path, cursor, *overrides):
+    """`python actor.py` (max_lag=0, batches of 8 = 2 groups of 4) against this test's store and PULL socket
+    -> (store, pull, proc); its output goes to tmp_path/actor.log. Killed on the way out if still running."""
+    import zmq
+    store = ws.create_store("127.0.0.1", 0, True, 60)
+    store.set("cursor", str(cursor))
+    rollouts = free_port()
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.bind(common.zmq_addr("127.0.0.1", rollouts))
+    with open(tmp_path / "actor.log", "w") as log_file:
+        proc = subprocess.Popen([sys.executable, str(REPO / "actor.py"), f"model.path={env['model_dir']}",
+                                 f"run.dir={tmp_path}", f"sync.port={store.port}", f"ports.rollouts={rollouts}",
+                                 "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "trainer.batch_size=8",
+                                 "actor.group_size=4", "actor.max_lag=0", "actor.max_tokens=16", *overrides],
+                                stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            yield store, pull, proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            pull.close()
+
+
 def test_actor_process_end_to_end(env, tmp_path):
     """python actor.py with a fake trainer and a PULL socket: pushes schema-valid rollouts in cursor order,
     takes an update, sends an evaluation pass for the verifier to grade, exits 0 on SIGTERM, no vLLM
     process left."""
     import psutil
-    import zmq
-    store = ws.create_store("127.0.0.1", 0, True, 60)
-    store.set("cursor", "100")
-    rollouts = free_port()
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.bind(common.zmq_addr("127.0.0.1", rollouts))
-    log_file = open(tmp_path / "actor.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "actor.py"), f"model.path={env['model_dir']}",
-                             f"run.dir={tmp_path}", f"sync.port={store.port}", f"ports.rollouts={rollouts}",
-                             "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "actor.eval_every=1",
-                             "data.test_size=20", "trainer.batch_size=8", "actor.group_size=4",
-                             "actor.max_lag=0", "actor.max_tokens=16", "run.log_every=0.5"],
-                            stdout=log_file, stderr=subprocess.STDOUT)
     evals = []
+    with actor_process(env, tmp_path, 100, "actor.eval_every=1", "data.test_size=20", "run.log_every=0.5") as (
+            store, pull, proc):
+        def pull_training(n):  # evaluation rollouts (eval: true) come on the same socket, for the verifier
+            out = []
+            while len(out) < n:
+                h, a = _pull(pull, 1, timeout_s=120)[0]
+                (evals if h["eval"] else out).append((h, a))
+            return out
 
-    def pull_training(n):  # evaluation rollouts (eval: true) come on the same socket, for the verifier
-        out = []
-        while len(out) < n:
-            h, a = _pull(pull, 1, timeout_s=120)[0]
-            (evals if h["eval"] else out).append((h, a))
-        return out
-
-    try:
         pg = ws.init_group(store, 0, 2, "gloo", 120)  # returns once the actor's worker joined
         sender = ws.WeightSender(store, pg, 1)
         sender.send(0, iter(env["sd"].items()), manifest(env["sd"]))
@@ -638,11 +650,6 @@ def test_actor_process_end_to_end(env, tmp_path):
         assert any("EngineCore" in t for t in titles) and not any("Worker" in t for t in titles), titles
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        pull.close()
-        log_file.close()
     out = open(tmp_path / "actor.log").read()
     assert proc.returncode == 0, out[-3000:]
     time.sleep(1.0)
@@ -664,19 +671,7 @@ def test_two_engines_in_one_actor_process(env, tmp_path):
     both (update_weights checks every worker's version) and, with max_lag=0, every batch is sampled by
     exactly one version, in cursor order, until SIGTERM ends the process cleanly."""
     import psutil
-    import zmq
-    store = ws.create_store("127.0.0.1", 0, True, 60)
-    store.set("cursor", "0")
-    rollouts = free_port()
-    pull = zmq.Context.instance().socket(zmq.PULL)
-    pull.bind(common.zmq_addr("127.0.0.1", rollouts))
-    log_file = open(tmp_path / "actor.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "actor.py"), f"model.path={env['model_dir']}",
-                             f"run.dir={tmp_path}", f"sync.port={store.port}", f"ports.rollouts={rollouts}",
-                             "actor.engines=2", "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "actor.eval_every=0",
-                             "trainer.batch_size=8", "actor.group_size=4", "actor.max_lag=0", "actor.max_tokens=16"],
-                            stdout=log_file, stderr=subprocess.STDOUT)
-    try:
+    with actor_process(env, tmp_path, 0, "actor.engines=2", "actor.eval_every=0") as (store, pull, proc):
         pg = ws.init_group(store, 0, 3, "gloo", 180)  # returns once both engines' workers joined
         sender = ws.WeightSender(store, pg, 1)
         batches = []
@@ -686,11 +681,6 @@ def test_two_engines_in_one_actor_process(env, tmp_path):
         cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        pull.close()
-        log_file.close()
     out = open(tmp_path / "actor.log").read()
     assert proc.returncode == 0, out[-3000:]
     assert len(cores) == 2, out[-3000:]  # one engine core process per engine
