@@ -275,7 +275,7 @@ class Actor:
         return st
 
     async def first_weights(self) -> Announcements:
-        """Block until the trainer's newest announced version is loaded (or a reused engine holds it)."""
+        """Block until the trainer's newest announced version is loaded."""
         cfg, st, store, deadline = self.cfg, self.st, self.store, time.time() + self.cfg.run.peer_timeout_s
         while not (store.check(["cursor"]) and (n := int(store.add("announced", 0))) >= 1):  # cursor, version 0
             if time.time() > deadline:
@@ -283,12 +283,9 @@ class Actor:
                                   f"after {cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s)")
             await asyncio.sleep(0.01)
         self.next_group = int(store.get("cursor")) + self.proc
-        announced = int(store.get(f"announce/{n}"))  # (get waits while the trainer is between its two writes)
-        loaded = await self.engines[0].get_weight_version()
-        reused = loaded is not None and loaded.isdigit() and int(loaded) >= announced  # it holds the version
-        st.version = st.first_version = int(loaded) if reused else announced
-        if not reused:  # the newest announcement's broadcast is waiting for us
-            await update_weights(self.engines, announced, cfg.actor.recompute_kv, cfg.sync.timeout_s)
+        st.version = st.first_version = int(store.get(f"announce/{n}"))  # get blocks until announce() sets it
+        # That broadcast waits for the engines (a fresh engine holds no version; the trainer re-sends none).
+        await update_weights(self.engines, st.version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
         return Announcements(cfg, n + 1, asyncio.get_running_loop(), self.wake)
 
     def update(self, pending: list):

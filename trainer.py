@@ -484,18 +484,13 @@ def send_weights(state, sender, cfg, wait=False) -> float:
     this version (only the newest travel) unless `wait`: the conventional actor idles for it; version 0 must arrive."""
     t0 = time.time()
     if cfg.sync.async_send and cfg.weight_world > 1:
-        if sender is not None:
-            sender.check()  # a failed broadcast (e.g. a dead actor) stops the run here, named
-            if wait:
-                sender.idle.wait()
+        if sender is not None and wait:
+            sender.idle.wait()
         busy = torch.tensor([float(sender is not None and not sender.idle.is_set())], device=state.fsdp.device)
         if all_reduce(busy, dist.ReduceOp.MAX).item():  # sync: every rank follows rank 0's choice
             return time.time() - t0
     named = ((n, t) for unit in state.fsdp.full_units(state.fsdp.dtype) for n, t in unit.items())
-    if isinstance(sender, weights_sync.AsyncSender):
-        sender.stage(named, state.fsdp.manifest(state.fsdp.dtype))
-        sender.submit(state.step)
-    elif sender is not None:
+    if sender is not None:  # a WeightSender returns once sent, an AsyncSender once it has its copy
         sender.send(state.step, named, state.fsdp.manifest(state.fsdp.dtype))
     else:
         for _ in named:  # the other ranks' part of each unit's all-gather
@@ -509,10 +504,15 @@ def _fsync(path):  # files and directories alike
     os.close(fd)
 
 
-def latest_checkpoint(root):
-    """Newest `step-N` directory holding its COMPLETE marker; `.tmp-*` and unmarked ones (a killed writer) aren't."""
+def complete_checkpoints(root) -> list:
+    """`step-N` directories holding their COMPLETE marker, oldest first; `.tmp-*` and unmarked ones (a killed
+    writer) are not checkpoints."""
     done = [d for d in Path(root).glob("step-*") if d.name[5:].isdigit() and (d / "COMPLETE").is_file()]
-    return max(done, key=lambda d: int(d.name[5:]), default=None)
+    return sorted(done, key=lambda d: int(d.name[5:]))
+
+
+def latest_checkpoint(root):
+    return (complete_checkpoints(root) or [None])[-1]
 
 
 def save_checkpoint(state, cfg, tokenizer=None) -> Path:
@@ -554,8 +554,7 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         _fsync(root)
-        done = sorted((d for d in root.glob("step-*") if (d / "COMPLETE").is_file()), key=lambda d: int(d.name[5:]))
-        for d in done[:-cfg.trainer.keep_checkpoints]:
+        for d in complete_checkpoints(root)[:-cfg.trainer.keep_checkpoints]:
             shutil.rmtree(d, ignore_errors=True)
     barrier()  # sync: nobody reads checkpoints or exits before the rename
     return final
@@ -696,10 +695,7 @@ def main():
     # --- end: final checkpoint (unless the last step just wrote it) and summary ---
     if not (cfg.run_dir / "checkpoints" / f"step-{state.step}" / "COMPLETE").is_file():
         save_checkpoint(state, cfg, tokenizer)
-    if sender is not None:
-        if isinstance(sender, weights_sync.AsyncSender):
-            sender.close()  # sync: the broadcast in flight completes (the actors receive until "done")
-            sender = sender.sender
+    if sender is not None:  # sync (AsyncSender): after the broadcast in flight (the actors receive until "done")
         sender.announce("done")  # the actors exit 0 on this (run.sh then ends the run)
         deadline = time.time() + 30   # this process hosts the store: keep it up until they have seen it
         while store.add("done_ack", 0) < cfg.actor_procs and time.time() < deadline:

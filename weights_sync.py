@@ -119,25 +119,15 @@ class WeightSender:
 
 
 class AsyncSender:
-    """Sends from a thread while the trainer trains the next step (issue 12). Memory: one full weight copy on
-    rank 0, filled only while no broadcast runs (`idle`): no torn update. A version that finds one running is
-    skipped: only the newest weights travel, each with its own version, so per-token labels stay exact.
-    sync.async_send=false: WeightSender.send, training waits."""
+    """WeightSender.send from a thread while the trainer trains the next step (issue 12). Memory: one full
+    weight copy on rank 0, filled only while no broadcast runs (`idle`): no torn update. A version that finds
+    one running is skipped: only the newest weights travel, each with its own version, so per-token labels
+    stay exact. sync.async_send=false: WeightSender itself, training waits."""
 
     def __init__(self, sender: WeightSender):
-        self.sender, self.copy, self.manifest, self.error = sender, {}, None, None
+        self.sender, self.copy, self.error = sender, {}, None
         self.idle = threading.Event()
         self.idle.set()
-
-    def stage(self, named_tensors, manifest):
-        """Copy the gathered weights into `copy` (the caller checked `idle`)."""
-        self.manifest = manifest
-        for name, tensor in named_tensors:
-            if name not in self.copy:
-                self.copy[name] = torch.empty_like(tensor, device=self.sender.device)
-            self.copy[name].copy_(tensor)
-        if self.sender.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # sync: the copy is complete before the broadcast reads it
 
     def check(self):
         if self.error is not None:
@@ -145,23 +135,34 @@ class AsyncSender:
                                "running? its vLLM workers are ranks 1.. of the weight group at sync.host:sync.port"
                                ) from self.error
 
-    def submit(self, version: int):
-        """Broadcast `copy` as `version` from a thread (the caller staged it while idle)."""
-        def send():
+    def send(self, version: int, named_tensors, manifest):
+        """Copy the gathered weights into `copy` (the caller checked `idle`), broadcast it from a thread."""
+        self.check()  # the previous broadcast failed (e.g. a dead actor): the trainer stops here, named
+        for name, tensor in named_tensors:
+            if name not in self.copy:
+                self.copy[name] = torch.empty_like(tensor, device=self.sender.device)
+            self.copy[name].copy_(tensor)
+        if self.sender.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # sync: the copy is complete before the broadcast reads it
+
+        def run():
             try:
-                self.sender.send(version, iter(self.copy.items()), self.manifest)
-            except Exception as e:  # noqa: BLE001 - the trainer's loop raises it at its next submit/close
+                self.sender.send(version, iter(self.copy.items()), manifest)
+            except Exception as e:  # noqa: BLE001 - the trainer's loop raises it at its next send/announce
                 self.error = e
             finally:
                 self.idle.set()
-        self.check()
         self.idle.clear()
-        threading.Thread(target=send, daemon=True).start()
+        threading.Thread(target=run, daemon=True).start()
 
     def close(self):
         """Wait for the broadcast in flight (the actors keep receiving until they see "done")."""
         self.idle.wait()
         self.check()
+
+    def announce(self, value: str):
+        self.close()
+        self.sender.announce(value)
 
 
 # --- receiver -----------------------------------------------------------------------------------------

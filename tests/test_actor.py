@@ -216,6 +216,7 @@ def test_prompt_ids_are_the_engines_own_tokenization(env):
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from tasks import format_prompt, load_tasks
+    load(env, env["sd"])  # as the actor does first: a fresh engine labels its tokens "default", not a version
     tok = env["engine"].get_tokenizer()
     chat = AutoTokenizer.from_pretrained(env["model_dir"])
     chat.chat_template = "{% for m in messages %}{{ m['content'] }}" + chat.eos_token + "{% endfor %}"
