@@ -598,7 +598,8 @@ def test_peer_timeout_names_trainer(tmp_path):
 @contextlib.contextmanager
 def actor_process(env, tmp_path, cursor, *overrides):
     """`python actor.py` (max_lag=0, batches of 8 = 2 groups of 4) against this test's store and PULL socket
-    -> (store, pull, proc); its output goes to tmp_path/actor.log. Killed on the way out if still running."""
+    -> (store, pull, proc); its output goes to tmp_path/actor.log. Still running on the way out (a failed test):
+    killed with its process group."""
     import zmq
     store = ws.create_store("127.0.0.1", 0, True, 60)
     store.set("cursor", str(cursor))
@@ -610,12 +611,12 @@ def actor_process(env, tmp_path, cursor, *overrides):
                                  f"run.dir={tmp_path}", f"sync.port={store.port}", f"ports.rollouts={rollouts}",
                                  "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "trainer.batch_size=8",
                                  "actor.group_size=4", "actor.max_lag=0", "actor.max_tokens=16", *overrides],
-                                stdout=log_file, stderr=subprocess.STDOUT)
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             yield store, pull, proc
-        finally:
+        finally:  # still running: a failed test. The whole group: vLLM's engine cores outlive a killed actor.py
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
             pull.close()
 
 
