@@ -14,7 +14,7 @@ Checks (each independent; a failure is reported and the next check runs):
   fsdp_fp32_ac  the same with trainer.activation_checkpointing=true (re-gather in recomputation)
   fsdp_bf16     the same with bf16 compute (model.dtype auto on GPU): distance from the fp32 reference, reported
   nccl_2rank    two processes on the same GPU in one NCCL group: NCCL refuses this ("Duplicate GPU") in most
-                builds; when it works, a WeightSender -> receive_header/iter_tensors round trip is checked bit for bit
+                builds; when it works, a WeightSender -> receive_weights round trip is checked bit for bit
   ranks         every GPU, one rank each (skipped with one GPU): FSDP vs the reference (1e-5), trainer.prefetch
                 on == off bit for bit, trainer.reduce_dtype=bfloat16 vs float32 distance (reported)
   big, big_ac   (--big, 1 GPU) tokens/s, TFLOP/s by 6·N·tokens, MFU (that over the chip's dense bf16 peak)
@@ -46,7 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import common  # noqa: E402
 import trainer  # noqa: E402
 import weights_sync  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import free_port, receive_weights  # noqa: E402
 from test_trainer import full_params, make_batch, make_cfg, reference_train, tiny_model  # noqa: E402
 
 REPORT = {}
@@ -153,8 +153,7 @@ def _two_rank(rank, port, result_q):
             sender.send(7, iter(named), manifest)
             result_q.put(("sent", None))
         else:
-            header = weights_sync.receive_header(pg)
-            version, got = header["version"], {n: t.clone() for n, t in weights_sync.iter_tensors(pg, header)}
+            version, got = receive_weights(pg)
             same = all(torch.equal(got[n], t) for n, t in named)
             result_q.put(("received", {"version": version, "tensors": len(got), "bit_equal": same}))
     except Exception as e:
@@ -186,7 +185,7 @@ def nccl_2rank():
                 "verdict": "2 ranks on one GPU refused (expected: NCCL's 'Duplicate GPU'); path untested"}
     rec = next(v for k, v in out if k == "received")
     assert rec["bit_equal"] and rec["version"] == 7, rec
-    return {"supported": True, **rec, "verdict": "WeightSender -> receive_header/iter_tensors bit for bit"}
+    return {"supported": True, **rec, "verdict": "WeightSender -> receive_weights bit for bit"}
 
 
 def _spawned(smoke, fn, *args):
