@@ -38,10 +38,8 @@ from tasks import format_prompt, load_tasks
 
 REPO = os.path.dirname(os.path.realpath(__file__))
 
-
 class PeerTimeout(RuntimeError):
     """The trainer did not show up in time."""
-
 
 # --- engines -----------------------------------------------------------------------------------------
 
@@ -62,11 +60,9 @@ def engine_args(cfg, proc_index: int = 0):
         max_num_seqs=cfg.actor.max_inflight + eval_slots(cfg, proc_index),
         worker_extension_cls="weights_sync.WeightUpdateExtension", **extra)
 
-
 def eval_slots(cfg, proc_index: int = 0) -> int:
     """Engine slots for evaluation requests, on top of the H training sequences (simplification 3)."""
     return max(1, cfg.actor.max_inflight // 4) if cfg.actor.eval_every and proc_index == 0 else 0
-
 
 def start_engines(cfg, proc_index: int = 0) -> list:
     """actor.engines AsyncLLMs; each sees its own actor.tp GPUs (CPU: one engine on actor.cpu_cores)."""
@@ -97,14 +93,12 @@ def start_engines(cfg, proc_index: int = 0) -> list:
         os.environ["CUDA_VISIBLE_DEVICES"] = before
     return engines
 
-
 async def join_weight_group(cfg, engines, proc_index: int = 0):
     """Rank of TP rank k of engine e = 1 + (proc_index*engines + e)*tp + k; rank 0 is trainer rank 0."""
     s, a = cfg.sync, cfg.actor
     await asyncio.gather(*(eng.collective_rpc("init_weight_group", timeout=s.timeout_s, args=(
         s.host, s.port, cfg.weight_world, 1 + (proc_index * a.engines + e) * a.tp, "auto", s.timeout_s))
         for e, eng in enumerate(engines)))
-
 
 async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float):
     """In-flight update (DESIGN.md) of the broadcast announced as `version` -> (stats, pause_s).
@@ -126,7 +120,6 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
         raise RuntimeError(f"announced version {version}, received {[s['version'] for s in stats]}")
     return stats, time.perf_counter() - t0
 
-
 def sampling_params(cfg, temperature: float, top_p: float = 1.0):
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     # The finished request only, ids without text (the verifier decodes), the sampled token's logprob as flat
@@ -134,12 +127,10 @@ def sampling_params(cfg, temperature: float, top_p: float = 1.0):
     return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=cfg.actor.max_tokens,
                           logprobs=0, flat_logprobs=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
-
 def prompt_ids(tokenizer, problem, prompt_format: str) -> dict:
     """The prompt as vLLM would tokenize its text (special tokens added): a text prompt would cost every
     request a tokenizer call in a thread pool on the front-end's core (issue 12)."""
     return {"prompt_token_ids": tokenizer(format_prompt(problem, tokenizer, prompt_format))["input_ids"]}
-
 
 async def generate(engine, prompt, params, request_id: str) -> dict:
     """One request to completion -> ids, behaviour logprobs and per-token versions as arrays."""
@@ -156,7 +147,6 @@ async def generate(engine, prompt, params, request_id: str) -> dict:
         versions[span.start:span.end] = int(span.version)
     return {"prompt_ids": np.asarray(out.prompt_token_ids, dtype=np.int32), "completion_ids": ids, "logprobs": logprobs,
             "versions": versions, "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time()}
-
 
 # --- announcements: a thread blocks on the store, the loop is woken -----------------------------------------
 
@@ -186,7 +176,6 @@ class Announcements:
             self.loop.call_soon_threadsafe(*call)
             self.loop.call_soon_threadsafe(self.wake.set)
 
-
 # --- actor state and admission control --------------------------------------------------------------------
 
 @dataclass
@@ -205,7 +194,6 @@ class ActorState:
     blocked_s: float = 0.0      # time the lag budget, not capacity, kept free slots empty
     error: BaseException = None
     window: dict = field(default_factory=dict)  # metrics since the last log line
-
 
 def admit(cfg, st: ActorState, procs: int) -> bool:
     """May one more group of group_size samples start now without any token exceeding actor.max_lag?
@@ -227,7 +215,6 @@ def admit(cfg, st: ActorState, procs: int) -> bool:
         return st.started + st.dropped_at_update - st.dropped + gs <= B * (a.G_steps - st.version % a.G_steps) // procs
     u_min = min((g[0] for g in st.groups.values()), default=st.version)
     return st.started - st.dropped + gs <= (u_min - st.first_version + a.max_lag + 1) * B // procs
-
 
 # --- the loop (Algorithm 2) ------------------------------------------------------------------------------
 
@@ -405,11 +392,9 @@ class Actor:
         st.window, self.updates_window, self.stalls_window = {}, [], []
         self.blocked_at_log, self.last_log = st.blocked_s, now
 
-
 async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0, st: ActorState = None):
     """Generate until `stop` is set or the trainer announces "done" (engines in the weight group) -> the state."""
     return await Actor(cfg, engines, store, proc_index, st or ActorState()).run(stop)
-
 
 # --- entry point --------------------------------------------------------------------------------------------
 
@@ -434,7 +419,6 @@ async def amain(cfg, store) -> int:
             e.shutdown()  # engine core and workers exit: no orphan vLLM processes
         engines.clear()
 
-
 def main(argv=None):
     import torch
     torch.set_num_threads(1)  # the actor process only orchestrates; vLLM's workers own the cores
@@ -451,7 +435,6 @@ def main(argv=None):
     # frames, which would keep the engines alive until interpreter teardown (a spurious __del__ error).
     import vllm.v1.engine.async_llm  # noqa: F401
     sys.exit(asyncio.run(amain(cfg, store)))
-
 
 if __name__ == "__main__":
     main()

@@ -21,12 +21,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parent
 
-
 # --- config ---------------------------------------------------------------------------------------
 
 class ConfigError(ValueError):
     """A bad config: names the key and what is allowed."""
-
 
 def _read_yaml(path) -> dict:
     try:
@@ -36,7 +34,6 @@ def _read_yaml(path) -> dict:
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
         raise ConfigError(f"{path}: expected a mapping of sections, each a mapping of keys")
     return raw
-
 
 DEFAULTS = _read_yaml(REPO / "config.yaml")
 # One frozen dataclass per section, its fields typed by the defaults (1.0 is a float, 1 an int, [..] a tuple).
@@ -52,7 +49,6 @@ MINIMUMS = {"actor": dict(engines=1, tp=1, group_size=1, max_inflight=1, G_steps
             "trainer": dict(nproc=1, nnodes=1, batch_size=1, micro_batch_tokens=1, max_steps=1, keep_checkpoints=1,
                             checkpoint_every=0, grad_clip=0, logits_chunk=0),
             "verifier": dict(workers=1, overlong_buffer=0), "data": dict(test_size=1)}
-
 
 class _Derived:
     # --- Config's derived values: computed here and nowhere else ---
@@ -81,10 +77,8 @@ class _Derived:
         """Weight group: trainer rank 0 + every vLLM worker of every engine of every actor process."""
         return 1 + self.actor_procs * self.actor.engines * self.actor.tp
 
-
 # One frozen field per config.yaml section (cfg.run, cfg.actor, ...), with _Derived's values.
 Config = dataclasses.make_dataclass("Config", list(SECTIONS.items()), bases=(_Derived,), frozen=True)
-
 
 def _coerce(key: str, value, default):
     """A YAML value checked against the type of config.yaml's default for the key."""
@@ -101,7 +95,6 @@ def _coerce(key: str, value, default):
         return tuple(float(v) for v in value)
     what = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     raise ConfigError(f"{key}: expected {what.get(typ) or f'a list of {len(default)} numbers'}, got {value!r}")
-
 
 def load_config(overrides=(), path=None) -> Config:
     """config.yaml's defaults, then `path` (e.g. a run's resolved config.yaml), then each of `overrides`
@@ -133,7 +126,6 @@ def load_config(overrides=(), path=None) -> Config:
                     for name, cls in SECTIONS.items()})
     validate(cfg)
     return cfg
-
 
 def validate(cfg: Config):
     """Impossible combinations fail here, before any process starts."""
@@ -171,11 +163,9 @@ def validate(cfg: Config):
         if broken:
             raise ConfigError(message)
 
-
 def config_to_dict(cfg: Config) -> dict:
     return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
             for name, section in dataclasses.asdict(cfg).items()}
-
 
 def parse_argv(argv=None) -> Config:
     """Every role: `python ROLE.py [section.key=value ...]`. Exits with the error on a bad config."""
@@ -184,12 +174,10 @@ def parse_argv(argv=None) -> Config:
     except ConfigError as e:
         sys.exit(f"config error: {e}")
 
-
 def package_versions(names) -> dict:
     """{name: version} of the named distributions that are installed (none of them is imported)."""
     from importlib import metadata
     return {n: d.version for n in names for d in list(metadata.distributions(name=n))[:1]}
-
 
 def write_run_info(cfg: Config, role: str) -> Path:
     """Start-up record: the resolved config, git commit and library versions (STYLE.md rule 11)."""
@@ -207,12 +195,10 @@ def write_run_info(cfg: Config, role: str) -> Path:
     (cfg.run_dir / f"run_info_{role}.json").write_text(json.dumps(info, indent=1))
     return cfg.run_dir
 
-
 # --- wire format ------------------------------------------------------------------------------------
 
 class WireError(ValueError):
     """A malformed message: the receiver drops it, logs it and counts it."""
-
 
 _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float64": np.float64}
 _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, "answer": str,
@@ -220,7 +206,6 @@ _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, 
 _ARRAYS = {"prompt_ids": "int32", "completion_ids": "int32", "logprobs": "float32", "versions": "int32"}
 SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS),
            "sample": ({**_ROLLOUT, "reward": float, "status": str, "advantage": float}, _ARRAYS)}
-
 
 def encode(header: dict, arrays: dict) -> list:
     """header (JSON-able dict) + {name: ndarray} -> list of frames."""
@@ -231,7 +216,6 @@ def encode(header: dict, arrays: dict) -> list:
     meta = [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape)} for n, a in arrays.items()]
     return [json.dumps({**header, "arrays": meta}).encode()] + [a.tobytes() for a in arrays.values()]
 
-
 def peek_header(frames) -> dict:
     """The JSON header of a message as far as it parses ({} if not): also who sent a malformed one."""
     try:
@@ -239,7 +223,6 @@ def peek_header(frames) -> dict:
         return header if isinstance(header, dict) else {}
     except (IndexError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
-
 
 def decode(frames: list, kind: str = None):
     """Frames -> (header, arrays), checked against `SCHEMAS[kind]` when kind is given."""
@@ -285,21 +268,17 @@ def decode(frames: list, kind: str = None):
         raise WireError(f"{kind}: sample_idx {header['sample_idx']} outside group of {header['group_size']}")
     return header, arrays
 
-
 def zmq_addr(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
-
 
 def cpu_set(spec: str) -> set:
     """A taskset-style core list ("0", "0-1", "0,2-3") -> the set of core ids."""
     return {c for part in spec.split(",") if part for a, _, b in [part.partition("-")]
             for c in range(int(a), int(b or a) + 1)}
 
-
 # --- metrics ------------------------------------------------------------------------------------------
 
 _log_state = {}
-
 
 def setup_logging(cfg: Config, role: str):
     """Once per role: JSONL file in the run directory (appended on resume), optional W&B."""
@@ -312,7 +291,6 @@ def setup_logging(cfg: Config, role: str):
                                         name=f"{cfg.run_dir.name}-{role}", config=config_to_dict(cfg), resume="allow")
         except ImportError:
             print(f"[{role}] run.wandb=true but the wandb package is not installed: JSONL only", flush=True)
-
 
 def log(role: str, metrics: dict, step: int):
     """One-line summary on stdout + a JSONL record in <run.dir>/metrics_<role>.jsonl; keys namespaced `role/`."""

@@ -26,7 +26,6 @@ import torch
 LAG_BUCKET_EDGES = [0, 1, 2, 3, 5, 9]
 LAG_BUCKET_LABELS = ["0", "1", "2", "3-4", "5-8", ">8"]
 
-
 def group_advantages(rewards, group_size):
     """(1) rewards [N] (tensor, numpy array or list), laid out group after group -> float32 tensor [N]."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)  # [N]
@@ -35,7 +34,6 @@ def group_advantages(rewards, group_size):
         raise ValueError(f"group_advantages: {n} rewards do not split into groups of group_size={group_size}")
     grouped = rewards.view(-1, group_size)  # [N/group_size, group_size]
     return (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # (1) [N]
-
 
 def nucleus_mask(scaled, top_p):
     """(2) scaled logits [N,V] (already ÷ temperature) -> bool [N,V], True inside the top-p nucleus by vLLM 0.32's
@@ -46,7 +44,6 @@ def nucleus_mask(scaled, top_p):
     drop_sorted[:, -1] = False  # at least one token
     return ~torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [N,V] back in vocab order
 
-
 def _scaled(hidden, weight, targets, temperature, top_p):
     """-> logits / temperature [n,V] in float32 (-inf outside the nucleus) and the kept mask [n,V]. The sampled
     token is always kept: one an older μ sampled can fall outside π's nucleus, where log π would be -inf."""
@@ -56,7 +53,6 @@ def _scaled(hidden, weight, targets, temperature, top_p):
         keep = nucleus_mask(z, top_p).scatter_(-1, targets[:, None], True)  # [n,V]
         z = z.masked_fill(~keep, float("-inf"))  # [n,V]
     return z, keep
-
 
 class _CompletionLogprobs(torch.autograd.Function):
     """(2), (3) a chunk of positions at a time, with no [N,V] tensor alive in forward or backward: backward
@@ -94,7 +90,6 @@ class _CompletionLogprobs(torch.autograd.Function):
             grad_weight += (dz.t() @ hidden[s]).float()  # [V,D]
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
-
 def completion_logprobs(hidden, weight, targets, temperature, top_p=1.0, chunk=1024):
     """(2), (3) at completion positions only: hidden [N,D] (the final hidden states that predict each
     completion token), lm_head weight [V,D], targets [N] -> log π [N] (differentiable) and entropy [N].
@@ -102,12 +97,10 @@ def completion_logprobs(hidden, weight, targets, temperature, top_p=1.0, chunk=1
     chunk = chunk if chunk > 0 else max(len(targets), 1)
     return _CompletionLogprobs.apply(hidden, weight, targets.long(), float(temperature), float(top_p), chunk)
 
-
 def lag_bucket_index(lag):
     """lag [B,T] long -> bucket index [B,T] into LAG_BUCKET_LABELS (last open-ended; a negative lag: "0")."""
     inner_edges = torch.tensor(LAG_BUCKET_EDGES[1:], dtype=lag.dtype, device=lag.device)  # [K-1]
     return torch.bucketize(lag, inner_edges, right=True)  # [B,T]: i such that edge_i <= lag < edge_{i+1}
-
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clamp=5.0, entropy=None, lags=None):
     """(4)-(5) truncated-IS REINFORCE -> (loss, stats). logprobs [B,T] (π, with grad), old_logprobs [B,T] (μ),
@@ -139,7 +132,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clam
                 flat = summands[k].reshape(-1)  # [B·T]
                 stats[name] = flat.new_zeros(len(LAG_BUCKET_LABELS)).scatter_add_(0, bucket, flat)  # [K]
     return loss, stats
-
 
 def ess(ratio_sum, ratio_sq_sum, tokens):
     """(6) ESS = (Σw)² / (N Σw²) in (0, 1] from summed stats (floats or 0-dim tensors) -> float; 1.0 when there

@@ -23,14 +23,12 @@ TASKS = ("arithmetic", "math")
 _PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")  # 1,234.5 or 1234.5
 
-
 @dataclass(frozen=True)
 class Problem:
     prompt: str  # the raw question text (format_prompt makes the model's input)
     answer: str  # the gold final answer
     task: str  # the grader: one of TASKS
     target: str = ""  # a worked solution where one exists (arithmetic: warm-starts the tiny model)
-
 
 # --- arithmetic -------------------------------------------------------------------------------------
 
@@ -46,12 +44,10 @@ def arithmetic_problem(a: int, b: int) -> Problem:
     return Problem(prompt=f"{a}+{b}=\n", answer=str(a + b), task="arithmetic",
                    target="\n".join(lines) + f"\n{ANSWER_MARK}{a + b}")
 
-
 def arithmetic_final_answer(completion: str):
     """The final answer as the arithmetic task formats it (`#123` on the last line), else None."""
     m = _ARITH_ANSWER.search(completion.strip())
     return m.group(1) if m else None
-
 
 def _draw_operands(rng, min_digits, max_digits):
     def one():
@@ -59,14 +55,12 @@ def _draw_operands(rng, min_digits, max_digits):
         return int(rng.integers(10 ** (d - 1) if d > 1 else 0, 10 ** d))
     return one(), one()
 
-
 def arithmetic_test(size, min_digits=1, max_digits=4) -> list:
     """`size` distinct problems from a fixed seed, in the order first drawn."""
     rng, operands = np.random.default_rng(_TEST_SEED), {}
     while len(operands) < size:
         operands.setdefault(_draw_operands(rng, min_digits, max_digits))
     return [arithmetic_problem(*ab) for ab in operands]
-
 
 # --- GSM8K / MATH-style sets ------------------------------------------------------------------------
 
@@ -80,14 +74,12 @@ def extract_boxed(text: str):
                 return text[m.end():j]
     return None
 
-
 def gold_answer(record: dict) -> str:
     """GSM8K: text after '####'; MATH: last \\boxed{} of the answer/solution; else the answer as is."""
     ans = str(record.get("answer", record.get("solution", "")))
     if "####" in ans:
         return ans.split("####")[-1].strip().replace(",", "")
     return extract_boxed(ans) or extract_boxed(str(record.get("solution", ""))) or ans.strip()
-
 
 def math_problems(source: str, split: str) -> list:
     """Problems from a local JSONL file; else, read by `datasets`, an HF dataset (`name` or `name:config`, from
@@ -106,7 +98,6 @@ def math_problems(source: str, split: str) -> list:
             raise SystemExit(f"{source}: each record needs 'problem' or 'question', and 'answer'; got {sorted(r)}")
         out.append(Problem(prompt=str(q), answer=gold_answer(r), task="math"))
     return out
-
 
 # --- grading -------------------------------------------------------------------------------------------
 
@@ -137,7 +128,6 @@ def score(completion: str, answer: str, task: str):
     # parse falls back to the raw string when sympy cannot read it: only an exact string match counts
     return (0.0, "wrong") if any(not isinstance(p, str) for p in parsed) else (0.0, "unparsable")
 
-
 # --- the training stream and the test split -----------------------------------------------------------
 
 class TrainStream:
@@ -160,7 +150,6 @@ class TrainStream:
                 return p
         raise RuntimeError("arithmetic: the test split covers the whole problem space; lower data.test_size")
 
-
 def load_tasks(cfg):
     """-> (TrainStream, test problems) for a Config."""
     d = cfg.data
@@ -169,7 +158,6 @@ def load_tasks(cfg):
     else:
         test = arithmetic_test(d.test_size, d.min_digits, d.max_digits)
     return TrainStream(d, cfg.run.seed, test), test
-
 
 def format_prompt(problem: Problem, tokenizer=None, prompt_format: str = "plain") -> str:
     """plain: the question as is (the tiny model); chat: the tokenizer's chat template + \\boxed{} ask."""

@@ -48,7 +48,6 @@ import weights_sync
 # torch 2.13 marks the two collectives FSDP needs as deprecated (their successors don't exist in older torch).
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
 
-
 # --- distributed ----------------------------------------------------------------------------------
 
 def init_distributed(timeout_s: float = 1800.0) -> torch.device:
@@ -60,29 +59,23 @@ def init_distributed(timeout_s: float = 1800.0) -> torch.device:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
-
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
 
 def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
-
 def is_main() -> bool:
     return rank() == 0
-
 
 def all_reduce(t, op=dist.ReduceOp.SUM):
     if world() > 1:
         dist.all_reduce(t, op=op)
     return t
 
-
 def barrier():
     if world() > 1:
         dist.barrier()
-
 
 # --- FSDP ------------------------------------------------------------------------------------------
 # Forward: a unit's wrapped forward all-gathers its shards into a flat compute-dtype buffer (`_Gather`, `_take`),
@@ -122,7 +115,6 @@ class Unit:
             module._parameters.pop(attr, None)
             setattr(module, attr, None)
 
-
 class _Gather(torch.autograd.Function):
     """shard [S] fp32 -> the unit's flat weights [N_pad] in the compute dtype. Backward: reduce-scatter."""
 
@@ -137,7 +129,6 @@ class _Gather(torch.autograd.Function):
         ctx.unit.regathered = None
         ctx.fsdp._reduce(ctx.unit, grad_full)
         return None, None, None  # _reduce puts the summed gradient into shard.grad once it has arrived
-
 
 class FSDP:
     """Shards an HF causal LM (decoder blocks in model.model.layers) in place; see the section comment."""
@@ -317,7 +308,6 @@ class FSDP:
                     x = torch.cat([x[:u.numel], torch.zeros(u.pad)]).chunk(world())[rank()]
                 getattr(u, k).copy_(x)
 
-
 # --- state and batches ---------------------------------------------------------------------------------
 
 @dataclass
@@ -329,7 +319,6 @@ class TrainState:
     skipped: int = 0  # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
-
 
 def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
     """Load the HF model (init_from, model.path, or a checkpoint directory) unless given; shard it; on
@@ -356,7 +345,6 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
         state.skipped = meta.get("skipped", 0)
     return state
 
-
 def pack_micro_batches(samples, micro_batch_tokens):
     """Length-sorted greedy packing into micro-batches with rows x longest <= micro_batch_tokens (a longer
     sample gets a micro-batch of its own). Sorting keeps the padding of each row small (simplification 3)."""
@@ -368,7 +356,6 @@ def pack_micro_batches(samples, micro_batch_tokens):
         else:
             batches.append([s])
     return batches
-
 
 def collate(samples, version, device):
     """Right-padded rows. Logits at position t predict token t+1, so completion token j of a sample with a
@@ -392,7 +379,6 @@ def collate(samples, version, device):
     return {k: v.to(device) for k, v in dict(input_ids=input_ids, targets=input_ids[:, 1:], old_logprobs=old_logprobs,
                                              mask=mask, lags=lags, advantages=advantages).items()}
 
-
 def completion_forward(model, x, cfg):
     """Under the root unit (FSDP.run_root): decoder -> final hidden states -> lm_head at completion positions
     only -> (2) log π and (3) entropy, scattered back to [B,T-1] (zeros elsewhere; masked out by the loss)."""
@@ -402,7 +388,6 @@ def completion_forward(model, x, cfg):
                                                  cfg.actor.temperature, cfg.actor.top_p, cfg.trainer.logits_chunk)
     zeros = torch.zeros(m.shape, dtype=torch.float32, device=m.device)  # [B,T-1]
     return zeros.masked_scatter(m, logprobs), zeros.masked_scatter(m, entropy)
-
 
 # --- train step --------------------------------------------------------------------------------------------
 
@@ -475,7 +460,6 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     metrics["lag_by_position"] = [round(ls / n, 3) if n else None for ls, n in zip(s["pos_lag_sum"], s["pos_tokens"])]
     return metrics
 
-
 # --- weights and checkpoints ----------------------------------------------------------------------------------
 
 def send_weights(state, sender, cfg, wait=False) -> float:
@@ -497,12 +481,10 @@ def send_weights(state, sender, cfg, wait=False) -> float:
             pass
     return time.time() - t0
 
-
 def _fsync(path):  # files and directories alike
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
-
 
 def complete_checkpoints(root) -> list:
     """`step-N` directories holding their COMPLETE marker, oldest first; `.tmp-*` and unmarked ones (a killed
@@ -510,10 +492,8 @@ def complete_checkpoints(root) -> list:
     done = [d for d in Path(root).glob("step-*") if d.name[5:].isdigit() and (d / "COMPLETE").is_file()]
     return sorted(done, key=lambda d: int(d.name[5:]))
 
-
 def latest_checkpoint(root):
     return (complete_checkpoints(root) or [None])[-1]
-
 
 def save_checkpoint(state, cfg, tokenizer=None) -> Path:
     """Atomic: everything goes into .tmp-step-N; COMPLETE is written last, then the directory is renamed."""
@@ -559,7 +539,6 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
     barrier()  # sync: nobody reads checkpoints or exits before the rename
     return final
 
-
 # --- samples ---------------------------------------------------------------------------------------------------
 
 def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
@@ -594,7 +573,6 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
         out.append({**header, **arrays})
     return out, waited
 
-
 def waiting_for(store, cfg, state) -> str:
     """For error messages: actors silent for over half of run.peer_timeout_s by their heartbeat (store key
     alive/<p>: clock and host, set every run.log_every s), what they started and what was dropped on the way."""
@@ -613,7 +591,6 @@ def waiting_for(store, cfg, state) -> str:
             + f"the actors started {started} samples, {dropped} were dropped on the way (verifier/trainer), so "
             f"{started - dropped} can reach the trainer, which consumed {state.step * cfg.trainer.batch_size}: "
             f"is verifier.py running, and actor.py? (logs/verifier.log, logs/actor.log)")
-
 
 # --- main ------------------------------------------------------------------------------------------------------
 
@@ -706,7 +683,6 @@ def main():
     sock.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     try:

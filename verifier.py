@@ -37,7 +37,6 @@ from loss import group_advantages
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
-
 # --- scoring ----------------------------------------------------------------------------------------
 
 def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
@@ -47,7 +46,6 @@ def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
     if v.overlong_buffer > 0 and n_tokens > start:
         reward -= v.overlong_penalty * (min(n_tokens, max_tokens) - start) / v.overlong_buffer
     return reward
-
 
 def _worker_loop():
     """A ScorePool worker: JSON lines [completion, answer, task] on stdin -> [reward, status] on stdout."""
@@ -68,7 +66,6 @@ def _worker_loop():
             print(f"[verifier] scoring error {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             reward, status = 0.0, "unparsable"
         out.write(json.dumps([reward, status]).encode() + b"\n")
-
 
 class ScorePool:
     """`workers` scoring processes (simplification 3); an item's `timeout_s` runs from when a worker takes it.
@@ -154,7 +151,6 @@ class ScorePool:
             self._stop(w)
         self.workers = []
 
-
 # --- the service --------------------------------------------------------------------------------------
 
 class State:
@@ -190,7 +186,6 @@ class State:
                 self.store = weights_sync.create_store(sync.host, sync.port, False, self.cfg.run.peer_timeout_s)
             self.store.add(f"dropped/{proc}", size)
 
-
 def receive(sock, state: State, pool, tokenizer, limit: int):
     """Check, decode, submit rollouts while the pool has room. A malformed one drops its group: it can't complete."""
     while pool.busy() < limit and sock.poll(0):
@@ -224,7 +219,6 @@ def receive(sock, state: State, pool, tokenizer, limit: int):
         group["seen"].add(idx)
         state.scoring[pool.submit(text, header["answer"], header["task"])] = (key, header, arrays)
 
-
 def complete(state: State, key):
     """A complete group: training -> advantages -> samples in the outbox (or dropped); eval -> eval.jsonl."""
     group = state.open[key]
@@ -249,7 +243,6 @@ def complete(state: State, key):
     state.outbox.extend(common.encode({**h, "advantage": adv}, a) for (h, a), adv in zip(members, advantages))
     state.counts["groups_forwarded"] += 1
 
-
 def log_window(state: State, pool, now):
     """Log the metrics of the window that ends `now` and start the next one."""
     w = state.window
@@ -265,7 +258,6 @@ def log_window(state: State, pool, now):
                        eval_s=w["eval"]["eval_s"])
     common.log("verifier", metrics, state.counts["groups_forwarded"])
     state.window = {"t": now, "samples": 0, "scored": [], "eval": None}
-
 
 def main():
     cfg = common.parse_argv()
@@ -332,7 +324,6 @@ def main():
     samples_sock.close(linger=1000)  # give samples already handed to ZMQ a second to reach a trainer
     ctx.term()
     print(f"[verifier] stopped; {len(state.outbox)} samples unsent, {len(state.open)} groups incomplete", flush=True)
-
 
 if __name__ == "__main__":
     main()

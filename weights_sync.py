@@ -27,17 +27,14 @@ import torch.distributed as dist
 VLLM_VERSION = "0.32.0"  # the vLLM whose worker API (reload_weights, collective_rpc) this was written against
 _ALIGN = 64  # byte alignment of a tensor inside a bucket (any dtype view stays aligned)
 
-
 class ManifestError(ValueError):
     """The trainer's tensors do not match the engine's model; names the mismatching tensors."""
-
 
 # --- group set-up ---------------------------------------------------------------------------------
 
 def create_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """No world size: any number of actor workers may connect (the trainer does not know them all)."""
     return dist.TCPStore(host, port, None, is_master, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-
 
 def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout_s: float = 300.0):
     """A process group outside both programs' default worlds (DESIGN.md "Two programs, one gloo group")."""
@@ -49,10 +46,8 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
 
-
 def _device(pg) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if pg.name() == "nccl" else torch.device("cpu")
-
 
 # --- sender (trainer rank 0) ------------------------------------------------------------------------
 
@@ -72,7 +67,6 @@ def bucket_layout(manifest, bucket_bytes: int):
         entries.append({"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
                         "bucket": len(sizes) - 1, "offset": offset, "nbytes": nbytes, "own": alone})
     return entries, sizes
-
 
 class WeightSender:
     """Trainer rank 0's side. Memory: two staging buckets, the tensor on the wire and the one yielded, which
@@ -116,7 +110,6 @@ class WeightSender:
             raise ManifestError(f"the iterator yields more tensors than the manifest's {len(entries)}")
         for work in [work for work in packed if work is not None] + [work for work, _ in own.values()]:
             work.wait()
-
 
 class AsyncSender:
     """WeightSender.send from a thread while the trainer trains the next step (issue 12). Memory: one full
@@ -164,7 +157,6 @@ class AsyncSender:
         self.close()
         self.sender.announce(value)
 
-
 # --- receiver -----------------------------------------------------------------------------------------
 
 def receive_header(pg, expected=None) -> dict:
@@ -195,7 +187,6 @@ def receive_header(pg, expected=None) -> dict:
                             + "; ".join(problems[:20]) + more)
     return header
 
-
 def iter_tensors(pg, header: dict, buffers=None, stats=None):
     """Yield (name, tensor) as views into received buckets, two buckets in flight. A buffer per bucket, never
     recycled within an update: vLLM's layerwise reload may hold views until a layer is complete. `buffers` keeps
@@ -224,7 +215,6 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
             view = buf[e["offset"]:e["offset"] + e["nbytes"]].view(getattr(torch, e["dtype"]))
             yield e["name"], view.reshape(e["shape"])
 
-
 def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
     """name -> (shape, dtype) from the safetensors headers of the checkpoint the engine loaded."""
     if not os.path.isdir(model_path):
@@ -239,7 +229,6 @@ def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
         with safe_open(path, "pt") as f:
             out.update({name: (list(f.get_slice(name).get_shape()), dtype_name) for name in f.keys()})
     return out
-
 
 # --- receiver inside vLLM -----------------------------------------------------------------------------
 
@@ -257,7 +246,6 @@ def tied_lm_heads(model) -> dict:
             raise ValueError(f"{name}: a quantized tied lm_head ({type(head.quant_method).__name__}) is not supported")
     return heads
 
-
 def refresh_tied_heads(heads: dict):
     """`reload_weights` (model_loader/reload/layerwise.py) writes the embedding's Parameter in place, which a tied
     head shares, but no checkpoint tensor names the head, so its post-load step never reruns. On CPU that step
@@ -265,7 +253,6 @@ def refresh_tied_heads(heads: dict):
     stale unless re-run. On GPU the logits read the shared Parameter (logits_processor.py `_apply_head`): a no-op."""
     for head in heads.values():
         head.quant_method.process_weights_after_loading(head)
-
 
 class WeightUpdateExtension:
     """Mixed into every vLLM worker (`worker_extension_cls="weights_sync.WeightUpdateExtension"`). Only small
