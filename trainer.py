@@ -602,7 +602,6 @@ def main():
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     torch.manual_seed(cfg.run.seed + rank())
     if is_main():
-        common.write_run_info(cfg, "trainer")
         common.setup_logging(cfg, "trainer")
 
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---

@@ -35,8 +35,6 @@ import common
 import tasks
 from loss import group_advantages
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
 # --- scoring ----------------------------------------------------------------------------------------
 
 def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
@@ -80,7 +78,7 @@ class ScorePool:
 
     @staticmethod
     def _start():  # a fresh interpreter that imports this file only (simplification 3)
-        code = f"import sys; sys.path.insert(0, {_HERE!r}); import verifier; verifier._worker_loop()"
+        code = f"import sys; sys.path.insert(0, {str(common.REPO)!r}); import verifier; verifier._worker_loop()"
         proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return {"proc": proc, "ready": False, "job": None, "t0": 0.0}
 
@@ -262,7 +260,6 @@ def log_window(state: State, pool, now):
 def main():
     cfg = common.parse_argv()
     v = cfg.verifier
-    common.write_run_info(cfg, "verifier")
     common.setup_logging(cfg, "verifier")
     torch.set_num_threads(1)  # torch only runs loss.group_advantages here; the cores belong to the other roles
     from transformers import AutoTokenizer

@@ -30,7 +30,7 @@ def send(sock, header: dict, arrays: dict):
     sock.send_multipart(common.encode(header, arrays), copy=False)
 
 
-def recv(sock, kind: str = None):
+def recv(sock, kind: str):
     """Blocking receive of one message; raises WireError if it is malformed."""
     import common
     return common.decode(sock.recv_multipart(copy=True), kind)

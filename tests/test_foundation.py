@@ -103,11 +103,10 @@ def test_check_cli_exits_nonzero_before_anything_starts():
 
 def test_run_info_and_metrics(tmp_path):
     cfg = common.load_config([f"run.dir={tmp_path}"])
-    common.write_run_info(cfg, "actor")
+    common.setup_logging(cfg, "actor")  # every role's start-up: the record (write_run_info), then its metrics file
     info = json.loads((tmp_path / "run_info_actor.json").read_text())
     assert info["versions"]["torch"] and info["git_commit"]
     assert common.load_config([], path=tmp_path / "config.yaml") == cfg  # resolved config reloads
-    common.setup_logging(cfg, "actor")
     common.log("actor", {"tokens_per_s": 12.5, "lag_max": 3}, step=7)
     rec = read_jsonl(tmp_path / "metrics_actor.jsonl")[-1]
     assert rec["step"] == 7 and rec["actor/tokens_per_s"] == 12.5 and rec["actor/lag_max"] == 3
