@@ -138,9 +138,7 @@ async def generate(engine, prompt, params, request_id: str) -> dict:
         pass
     c = out.outputs[0]
     ids = np.asarray(c.token_ids, dtype=np.int32)
-    lp = c.logprobs if c.logprobs is not None else [{}] * len(ids)
-    logprobs = np.asarray(lp.logprobs if hasattr(lp, "logprobs") else  # FlatLogprobs, else [{token: Logprob}]
-                          [d[t].logprob if t in d else 0.0 for d, t in zip(lp, c.token_ids)], dtype=np.float32)
+    logprobs = np.asarray(c.logprobs.logprobs, dtype=np.float32)  # FlatLogprobs (logprobs=0): the sampled token's
     versions = np.full(len(ids), -1, dtype=np.int32)
     for span in c.weight_versions or []:  # exact per-token labels, also across in-flight updates
         versions[span.start:span.end] = int(span.version)
@@ -421,15 +419,15 @@ def main(argv=None):
     torch.set_num_threads(1)  # the actor process only orchestrates; vLLM's workers own the cores
     cfg = common.parse_argv(argv)
     common.setup_logging(cfg, "actor")
-    # The trainer's store first: a missing trainer fails fast, before vLLM loads.
+    # Import vLLM before any engine exists: tracebacks it keeps from optional imports hold the importing
+    # frames, which would keep the engines alive until interpreter teardown (a spurious __del__ error).
+    import vllm.v1.engine.async_llm  # noqa: F401 - (~8 s, while the trainer starts)
+    # The trainer's store before any engine: a missing trainer fails fast, before vLLM loads a model.
     try:
         store = ws.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
     except Exception as e:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError
         sys.exit(f"[actor] no trainer store at {cfg.sync.host}:{cfg.sync.port} after {cfg.run.peer_timeout_s:.0f} s "
                  f"(run.peer_timeout_s; is trainer.py running? sync.host/sync.port): {e}")
-    # Import vLLM before any engine exists: tracebacks it keeps from optional imports hold the importing
-    # frames, which would keep the engines alive until interpreter teardown (a spurious __del__ error).
-    import vllm.v1.engine.async_llm  # noqa: F401
     sys.exit(asyncio.run(amain(cfg, store)))
 
 if __name__ == "__main__":

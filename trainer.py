@@ -604,6 +604,11 @@ def main():
     if is_main():
         common.setup_logging(cfg, "trainer")
 
+    # The store first: the actor waits for it before loading vLLM, so it must not wait for the model too.
+    sender = store = None
+    if cfg.weight_world > 1:  # the other ranks report the samples they drop (pull_samples) on the same store
+        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, is_main(), cfg.sync.timeout_s)
+
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
     ckpt = latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
     state = build_state(cfg, device, ckpt)
@@ -618,9 +623,6 @@ def main():
             pass
 
     # --- weight group: trainer rank 0 + every vLLM worker; version 0 (or the checkpoint's) goes out first ---
-    sender = store = None
-    if cfg.weight_world > 1:  # the other ranks report the samples they drop (pull_samples) on the same store
-        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, is_main(), cfg.sync.timeout_s)
     if is_main() and store is not None:
         store.set("cursor", str(state.max_group_id + 1))  # the actor's first prompt: after the last trained group
         sender = weights_sync.WeightSender(store, weights_sync.init_group(store, 0, cfg.weight_world, "auto",

@@ -308,10 +308,9 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False, proc_index=0):
     async def watcher():
         while th.is_alive():
             await asyncio.sleep(0.05)
-        for _ in range(100):  # the budget is spent: in-flight groups finish, nothing new starts
-            await asyncio.sleep(0.05)
-            if st.inflight == 0 and "error" not in result:
-                break
+        deadline = time.time() + 120  # the budget is spent: in-flight groups finish, nothing new starts
+        while st.inflight and "error" not in result and time.time() < deadline:
+            await asyncio.sleep(0.05)  # (a fixed 5 s here failed on a loaded CI machine: 5 of 56 unfinished)
         for _ in range(6 if not ends_itself else 200):
             await asyncio.sleep(0.05)
             if loop_task.done():
