@@ -75,6 +75,9 @@ def start_engines(cfg, proc_index: int = 0) -> list:
         # That process is spawned on actor.cpu_cores; this one (request intake, outputs, the loop) then moves
         # to the other cores, if any, so as not to take turns with the decode steps (issue 12).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # AsyncLLM still runs its engine core apart
+        # Eager anyway; but the sampler's token-rank helper is torch.compile'd: inductor builds C++ on the first
+        # step (~5 s) and dynamo guards run on every step (bench_actor_alone: +4-11% tokens/s without them).
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         allowed, engine_cores = os.sched_getaffinity(0), common.cpu_set(cfg.actor.cpu_cores)
         os.sched_setaffinity(0, engine_cores)
         try:
@@ -138,7 +141,9 @@ async def generate(engine, prompt, params, request_id: str) -> dict:
         pass
     c = out.outputs[0]
     ids = np.asarray(c.token_ids, dtype=np.int32)
-    logprobs = np.asarray(c.logprobs.logprobs, dtype=np.float32)  # FlatLogprobs (logprobs=0): the sampled token's
+    lp = c.logprobs if c.logprobs is not None else [{}] * len(ids)
+    logprobs = np.asarray(lp.logprobs if hasattr(lp, "logprobs") else  # FlatLogprobs, else [{token: Logprob}]
+                          [d[t].logprob if t in d else 0.0 for d, t in zip(lp, c.token_ids)], dtype=np.float32)
     versions = np.full(len(ids), -1, dtype=np.int32)
     for span in c.weight_versions or []:  # exact per-token labels, also across in-flight updates
         versions[span.start:span.end] = int(span.version)

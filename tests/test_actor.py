@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,6 +94,7 @@ def env(tmp_path_factory):
     store.set("cursor", "0")
     cfg = make_cfg(tmp, model_dir, store.port, free_port())
     loop = asyncio.new_event_loop()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")  # inherited by the engine core process
     engine = loop.run_until_complete(_start(cfg))
     box = {}
     th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, cfg.weight_world, "gloo", 60)))
@@ -101,7 +103,7 @@ def env(tmp_path_factory):
     th.join()
     sd = state_dict(model_dir)
     ids = {c: tok.convert_tokens_to_ids(c) for c in "ab"}
-    yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd,
+    yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd, inductor=tmp / "inductor",
                trainer=FakeTrainer(store, box["pg"]), ids=ids,
                A=constant_model(sd, ids["a"]), B=constant_model(sd, ids["b"], seed=2))
     engine.shutdown()
@@ -207,6 +209,15 @@ def test_behaviour_logprobs_match_hf(env, temperature):
         hf = logp.gather(1, ids[0, P:, None]).squeeze(1).numpy()                     # [T]
         worst = max(worst, float(np.abs(hf - r["logprobs"]).max()))
     assert worst < 1e-4, worst
+
+
+def test_cpu_engine_core_runs_without_dynamo(env):
+    """vLLM's sampler wraps its token-rank helper in torch.compile even with enforce_eager: on CPU inductor
+    builds C++ on the first step with logprobs (~5 s of a run's start) and dynamo guards run on every step.
+    actor.start_engines starts the engine core with TORCHDYNAMO_DISABLE=1: inductor never writes its cache."""
+    load(env, env["sd"])  # a fresh engine labels its tokens "default", not a version
+    env["loop"].run_until_complete(actor.generate(env["engine"], PROMPTS[0], actor.sampling_params(env["cfg"], 1.0), "rk"))
+    assert not any(Path(env["inductor"]).rglob("*")), sorted(Path(env["inductor"]).rglob("*"))[:5]
 
 
 def test_prompt_ids_are_the_engines_own_tokenization(env):
