@@ -3,7 +3,7 @@ micro-batching, gathered-memory bound, weight broadcast, checkpoints, and main()
 
 Run: .venv/bin/python -m pytest -q tests/test_trainer.py        (~1-2 min on 2 cores)
 
-Multi-rank tests start ranks with torch.multiprocessing (spawn) on free ports, one torch thread each.
+Multi-rank tests start ranks with torch.multiprocessing (forkserver: spawn()) on free ports, one torch thread each.
 Tolerances: "exact" means torch.equal (same arithmetic in the same order, e.g. resume vs uninterrupted).
 FSDP vs. the reference is 1e-5 absolute on parameters after 3 AdamW steps at lr 1e-3: the two sum the
 gradient in different orders (per-rank partial sums, padded micro-batches vs. one sample at a time), ~1e-7
@@ -105,7 +105,11 @@ def full_params(state):
 
 
 def spawn(fn, world, *args):
-    mp.spawn(fn, args=(world, free_port()) + args, nprocs=world, join=True)
+    """fn(rank, world, port, *args) on `world` ranks, forked from one server process that imported torch,
+    transformers' Qwen2 and this module once per session (spawned ranks import them anew: ~10 s a test)."""
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(["test_trainer", "transformers.models.qwen2.modeling_qwen2"])
+    mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=True, start_method="forkserver")
 
 
 def _init(rank, world, port):
@@ -373,8 +377,7 @@ def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
 
 
 def test_broadcast_receiver_gets_trainer_weights(tmp_path):
-    mp.spawn(_broadcast_worker, args=(3, free_port(), str(tmp_path), free_port(), make_batch(12, 0, seed=0)),
-             nprocs=3, join=True)
+    spawn(_broadcast_worker, 3, str(tmp_path), free_port(), make_batch(12, 0, seed=0))
     rec = torch.load(tmp_path / "receiver.pt", weights_only=False)
     params = torch.load(tmp_path / "trainer.pt", weights_only=False)
     init = dict(tiny_model().named_parameters())

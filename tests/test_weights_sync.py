@@ -97,7 +97,8 @@ def _run_rank(rank, world, port, scenario, q):
 
 
 def _spawn(scenario, world=3):
-    ctx = mp.get_context("spawn")
+    mp.set_forkserver_preload(["test_weights_sync"])  # ranks forked from a server that imported torch once
+    ctx = mp.get_context("forkserver")
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_run_rank, args=(r, world, port, scenario, q)) for r in range(world)]
