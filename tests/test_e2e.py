@@ -1,7 +1,7 @@
 """Tier (c): `run.sh` end to end in subprocesses, on a tiny random model: success, failures, bad input,
 resume, two "nodes" on loopback, the GPU recipe's keys on CPU, and the README's paths.
 
-Run: bash run.sh test tests/test_e2e.py      (about 8 minutes on 2 cores)
+Run: bash run.sh test tests/test_e2e.py      (6-8 minutes on 2 cores)
 """
 import json
 import os

@@ -9,7 +9,7 @@ node 0's own fails before any process starts; scripts/slurm.sbatch hands srun no
 (stand-ins for scontrol and srun print what they are given).
 
 The namespace tests need root and iproute2 (`ip netns`); skipped otherwise, with the reason.
-Run: bash run.sh test tests/test_multihost.py      (3-4.5 minutes on 2 shared cores)
+Run: bash run.sh test tests/test_multihost.py      (about 2 minutes on 2 shared cores)
 """
 import os
 import re
