@@ -604,7 +604,7 @@ def main():
     if is_main():
         common.setup_logging(cfg, "trainer")
 
-    # The store first: the actor waits for it before loading vLLM, so it must not wait for the model too.
+    # The store first: the actor waits for it before starting its engines, so not for this model's load too.
     sender = store = None
     if cfg.weight_world > 1:  # the other ranks report the samples they drop (pull_samples) on the same store
         store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, is_main(), cfg.sync.timeout_s)

@@ -103,8 +103,8 @@ def env(tmp_path_factory):
     th.join()
     sd = state_dict(model_dir)
     ids = {c: tok.convert_tokens_to_ids(c) for c in "ab"}
-    yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd, inductor=tmp / "inductor",
-               trainer=FakeTrainer(store, box["pg"]), ids=ids,
+    yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd,
+               inductor=tmp / "inductor", trainer=FakeTrainer(store, box["pg"]), ids=ids,
                A=constant_model(sd, ids["a"]), B=constant_model(sd, ids["b"], seed=2))
     engine.shutdown()
     pending = asyncio.all_tasks(loop)
@@ -216,7 +216,8 @@ def test_cpu_engine_core_runs_without_dynamo(env):
     builds C++ on the first step with logprobs (~5 s of a run's start) and dynamo guards run on every step.
     actor.start_engines starts the engine core with TORCHDYNAMO_DISABLE=1: inductor never writes its cache."""
     load(env, env["sd"])  # a fresh engine labels its tokens "default", not a version
-    env["loop"].run_until_complete(actor.generate(env["engine"], PROMPTS[0], actor.sampling_params(env["cfg"], 1.0), "rk"))
+    params = actor.sampling_params(env["cfg"], 1.0)  # the roles' own: logprobs of the sampled tokens
+    env["loop"].run_until_complete(actor.generate(env["engine"], PROMPTS[0], params, "token-ranks"))
     assert not any(Path(env["inductor"]).rglob("*")), sorted(Path(env["inductor"]).rglob("*"))[:5]
 
 
