@@ -21,6 +21,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def forkserver():
+    """The multiprocessing context of the multi-rank tests: ranks fork from one server that imported torch,
+    transformers' Qwen2 and those test modules once per session (spawned ranks import them anew: ~10 s a test)."""
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(["test_trainer", "test_weights_sync",
+                                            "transformers.models.qwen2.modeling_qwen2"])
+    return multiprocessing.get_context("forkserver")
+
+
 # --- the core's calls as tests use them (the roles call the parts these join) ------------------------------
 from scripts.launch import read_jsonl  # noqa: E402, F401  (metrics files; run.sh's summary reads them too)
 

@@ -96,6 +96,7 @@ def env(tmp_path_factory):
     loop = asyncio.new_event_loop()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")  # inherited by the engine core process
     engine = loop.run_until_complete(_start(cfg))
+    del os.environ["TORCHINDUCTOR_CACHE_DIR"]
     box = {}
     th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, cfg.weight_world, "gloo", 60)))
     th.start()

@@ -3,7 +3,7 @@ micro-batching, gathered-memory bound, weight broadcast, checkpoints, and main()
 
 Run: .venv/bin/python -m pytest -q tests/test_trainer.py        (~1-2 min on 2 cores)
 
-Multi-rank tests start ranks with torch.multiprocessing (forkserver: spawn()) on free ports, one torch thread each.
+Multi-rank tests start ranks with torch.multiprocessing (forkserver: conftest.forkserver) on free ports, one torch thread each.
 Tolerances: "exact" means torch.equal (same arithmetic in the same order, e.g. resume vs uninterrupted).
 FSDP vs. the reference is 1e-5 absolute on parameters after 3 AdamW steps at lr 1e-3: the two sum the
 gradient in different orders (per-rank partial sums, padded micro-batches vs. one sample at a time), ~1e-7
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 import common  # noqa: E402
 import loss  # noqa: E402
 import trainer  # noqa: E402
-from conftest import free_port, read_jsonl, receive_weights  # noqa: E402
+from conftest import forkserver, free_port, read_jsonl, receive_weights  # noqa: E402
 
 torch.set_num_threads(1)
 LR, WD, TEMP, CLIP = 1e-3, 0.1, 0.7, 1.0
@@ -105,10 +105,8 @@ def full_params(state):
 
 
 def spawn(fn, world, *args):
-    """fn(rank, world, port, *args) on `world` ranks, forked from one server process that imported torch,
-    transformers' Qwen2 and this module once per session (spawned ranks import them anew: ~10 s a test)."""
-    import multiprocessing
-    multiprocessing.set_forkserver_preload(["test_trainer", "transformers.models.qwen2.modeling_qwen2"])
+    """fn(rank, world, port, *args) on `world` ranks (conftest.forkserver)."""
+    forkserver()
     mp.start_processes(fn, args=(world, free_port()) + args, nprocs=world, join=True, start_method="forkserver")
 
 

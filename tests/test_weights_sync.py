@@ -3,7 +3,6 @@
 Run: .venv/bin/python -m pytest -q tests/test_weights_sync.py      (~15 s on 2 cores)
 """
 import json
-import multiprocessing as mp
 import os
 import sys
 import traceback
@@ -13,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import weights_sync as ws  # noqa: E402
-from conftest import free_port, receive_weights  # noqa: E402
+from conftest import forkserver, free_port, receive_weights  # noqa: E402
 
 BUCKET_MB = 16 / 1024  # 16 KiB buckets: many buckets, and the 40 KB tensor gets its own
 
@@ -97,8 +96,7 @@ def _run_rank(rank, world, port, scenario, q):
 
 
 def _spawn(scenario, world=3):
-    mp.set_forkserver_preload(["test_weights_sync"])  # ranks forked from a server that imported torch once
-    ctx = mp.get_context("forkserver")
+    ctx = forkserver()
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_run_rank, args=(r, world, port, scenario, q)) for r in range(world)]
