@@ -103,24 +103,40 @@ async def join_weight_group(cfg, engines, proc_index: int = 0):
         for e, eng in enumerate(engines)))
 
 async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float):
-    """In-flight update (DESIGN.md) of the broadcast announced as `version` -> (stats, pause_s).
+    """In-flight update of the broadcast announced as `version` -> (stats, pause_s).
 
-    The four calls go out back to back; each engine core runs them in order between two decode steps: pause
-    (running requests keep their KV), receive and load, label the new version, resume. Nothing decodes in
-    between, so the label is exact (after resume it would mislabel a step) and generation stops only for
-    wire and load. AsyncLLM.pause_generation would add a 20 ms sleep and a round trip (bench/bench_stall.py)."""
-    t0, calls = time.perf_counter(), []
-    for e in engines:  # vLLM 0.32: EngineCoreClient utilities (see weights_sync.VLLM_VERSION)
-        calls += [e.engine_core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv),
-                  e.collective_rpc("receive_weights", timeout=timeout_s),
-                  e.update_weight_version(str(version)), e.engine_core.resume_scheduler_async()]
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    if errors := [r for r in results if isinstance(r, BaseException)]:
-        raise errors[0]  # a rejected update (ManifestError) leaves the old weights running: the actor stops
-    stats = [s for r in results[1::4] for s in r]  # one dict per worker: version, wire_s, load_s, bytes
+    Per engine, in this order: pause (running requests keep their KV; with recompute_kv their KV is
+    dropped and recomputed under the new weights at resume), and wait for the pause to take effect;
+    then receive and load, label the new version, resume. The last three go out back to back: the
+    engine core runs them in one input drain, so nothing decodes in between and the label is exact.
+
+    Why the pause is awaited first (vLLM 0.32, v1/engine/core.py `pause_scheduler`): the engine core
+    completes a pause only when it has nothing left to flush (a request that finished in the last step;
+    on GPU a batch in the async-scheduling queue). Sent together with resume, such a pause is answered
+    only when the engine next goes idle, i.e. after every running sequence has finished: the update then
+    waited for a drain (measured on CPU: a third of the one-second windows of a default run had an
+    update waiting > 0.3 s, up to 3.6 s). Awaited, the pause lasts one step; the step it lets finish ran
+    on the old weights, and is labelled so. AsyncLLM.pause_generation would add a 20 ms sleep."""
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(_update_engine(e, version, recompute_kv, timeout_s) for e in engines))
+    stats = [s for r in results for s in r]  # one dict per worker: version, wire_s, load_s, bytes
     if any(s["version"] != version for s in stats):
         raise RuntimeError(f"announced version {version}, received {[s['version'] for s in stats]}")
     return stats, time.perf_counter() - t0
+
+async def _update_engine(engine, version: int, recompute_kv: bool, timeout_s: float) -> list:
+    """One engine's update: pause, then receive + label + resume (vLLM 0.32's EngineCoreClient utilities)."""
+    core = engine.engine_core
+    await core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv)
+    calls = [engine.collective_rpc("receive_weights", timeout=timeout_s),
+             engine.update_weight_version(str(version)),
+             core.resume_scheduler_async()]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        # A rejected update (ManifestError) leaves the old weights running: the actor stops.
+        raise errors[0]
+    return results[0]
 
 def sampling_params(cfg, temperature: float, top_p: float = 1.0):
     from vllm.sampling_params import RequestOutputKind, SamplingParams

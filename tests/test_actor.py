@@ -701,3 +701,48 @@ def test_two_engines_in_one_actor_process(env, tmp_path):
     for version, batch in enumerate(batches):
         assert sorted({h["group_id"] for h, _ in batch}) == [2 * version, 2 * version + 1]
         assert all((a["versions"] == version).all() for _, a in batch), version
+
+
+def test_update_waits_for_the_pause_not_for_a_drain(env):
+    """An update while sequences finish at every decode step: the update returns while the engine still
+    has sequences to generate (it waited for the pause only, not for them to drain), and every token is
+    labelled with the version whose weights computed it. Sent back to back with resume, a pause is
+    answered only when the engine next goes idle (vLLM 0.32 `pause_scheduler` when a finished request is
+    not yet flushed): the update returned after the last sequence had finished."""
+    from vllm import SamplingParams
+    engine, a, b = env["engine"], env["ids"]["a"], env["ids"]["b"]
+    v_a = load(env, env["A"])
+    # 24 sequences of 40..63 tokens, one finishing at every step from step 40 on, and one of 200 tokens
+    lengths = [40 + i for i in range(24)] + [200]
+    def clock(w):  # the engine process's clock: now, and when its last decode step ended
+        return time.perf_counter(), w._ws_last_step
+
+    async def scenario():
+        await engine.pause_generation(mode="keep", clear_cache=False)  # all start in one step
+        reqs = [asyncio.create_task(actor.generate(engine, PROMPTS[i % 4], SamplingParams(
+            temperature=1.0, max_tokens=n, logprobs=0, ignore_eos=True), f"drain-{i}"))
+            for i, n in enumerate(lengths)]
+        await asyncio.sleep(0.5)
+        await engine.resume_generation()
+        watch = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
+        async for out in engine.generate(PROMPTS[0], watch, request_id="drain-watch"):
+            if len(out.outputs[0].token_ids) >= 45:  # sequences are finishing at every step now
+                break
+        th, v_b = env["trainer"].send_async(env["B"])
+        await actor.update_weights([engine], v_b, False, 60)
+        returned = (await engine.collective_rpc(clock))[0]
+        th.join()
+        outs = await asyncio.gather(*reqs)
+        last_step = (await engine.collective_rpc(clock))[0][1]
+        return outs, v_b, returned, last_step
+
+    outs, v_b, returned, last_step = env["loop"].run_until_complete(scenario())
+    assert last_step > returned[0], "the engine had drained before the update returned"
+    for r, n in zip(outs, lengths):
+        ids, versions = r["completion_ids"], r["versions"]
+        assert len(ids) == n
+        k = int(np.argmax(ids != a)) if (ids != a).any() else n  # short ones may end before the switch
+        assert (ids[:k] == a).all() and (ids[k:] == b).all(), ids
+        assert (versions[:k] == v_a).all() and (versions[k:] == v_b).all(), (k, versions)
+    assert (outs[-1]["versions"] == v_b).any()  # the long one crossed the update
+
