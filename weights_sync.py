@@ -13,6 +13,7 @@ Simplifications:
 3. Tied embeddings: the shared tensor travels once; vLLM's tied lm_head reruns its post-load step after every
    update (`refresh_tied_heads`: on CPU a V x H repack, as at engine start); a quantized tied lm_head is refused.
 """
+import contextlib
 import datetime
 import glob
 import itertools
@@ -44,7 +45,18 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
         return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    # Blocking wait for this group only (read when a group is built): a collective that outlives
+    # timeout_s then raises in the waiting thread, which names the weight group, as gloo does. By
+    # default NCCL's watchdog would abort the whole process instead, with no word on what to check.
+    before = os.environ.get("TORCH_NCCL_BLOCKING_WAIT")
+    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    try:
+        return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_NCCL_BLOCKING_WAIT")
+        else:
+            os.environ["TORCH_NCCL_BLOCKING_WAIT"] = before
 
 def _device(pg) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if pg.name() == "nccl" else torch.device("cpu")
@@ -121,6 +133,10 @@ class AsyncSender:
         self.sender, self.copy, self.error = sender, {}, None
         self.idle = threading.Event()
         self.idle.set()
+        # CUDA: the thread's work gets a stream of its own. A new thread's current stream is the device's
+        # default stream, which training also uses: each bucket's pack and NCCL wait would queue training
+        # kernels behind the wire, and send() would return before anything was on it.
+        self.stream = torch.cuda.Stream(sender.device) if sender.device.type == "cuda" else None
 
     def check(self):
         if self.error is not None:
@@ -135,12 +151,20 @@ class AsyncSender:
             if name not in self.copy:
                 self.copy[name] = torch.empty_like(tensor, device=self.sender.device)
             self.copy[name].copy_(tensor)
-        if self.sender.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # sync: the copy is complete before the broadcast reads it
+        if self.stream is not None:
+            # the copy is complete before the sender's stream reads it
+            self.stream.wait_stream(torch.cuda.current_stream(self.sender.device))
 
         def run():
             try:
-                self.sender.send(version, iter(self.copy.items()), manifest)
+                with contextlib.ExitStack() as scope:
+                    if self.stream is not None:
+                        torch.cuda.set_device(self.sender.device)  # the thread's device: not always cuda:0
+                        scope.enter_context(torch.cuda.stream(self.stream))
+                    self.sender.send(version, iter(self.copy.items()), manifest)
+                    if self.stream is not None:
+                        # idle means on the wire and done: work.wait() only orders streams on CUDA
+                        self.stream.synchronize()
             except Exception as e:  # noqa: BLE001 - the trainer's loop raises it at its next send/announce
                 self.error = e
             finally:
@@ -203,17 +227,28 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
             if buffers is not None:
                 buffers[b] = buf
         return buf[:sizes[b]], pg.broadcast(buf[:sizes[b]], 0)
+    # NCCL: work.wait() only makes this stream wait for the wire, so the host clock would time the
+    # enqueue; CUDA events around each wait time the stream's wait instead (read once, at the end).
+    events = [] if device.type == "cuda" else None
     posted = {b: post(b) for b in range(min(2, len(sizes)))}  # two buckets posted ahead
     for b, entries in itertools.groupby(header["tensors"], key=lambda e: e["bucket"]):  # every bucket, in order
         buf, work = posted.pop(b)
         t0 = time.perf_counter()
+        if events is not None:
+            events.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
+            events[-1][0].record()
         work.wait()
+        if events is not None:
+            events[-1][1].record()
         stats["wait_s"] += time.perf_counter() - t0
         if b + 2 < len(sizes):
             posted[b + 2] = post(b + 2)
         for e in entries:
             view = buf[e["offset"]:e["offset"] + e["nbytes"]].view(getattr(torch, e["dtype"]))
             yield e["name"], view.reshape(e["shape"])
+    if events is not None:
+        torch.cuda.current_stream().synchronize()  # the update is loaded before it is reported (and timed)
+        stats["wait_s"] = sum(start.elapsed_time(end) for start, end in events) / 1e3
 
 def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
     """name -> (shape, dtype) from the safetensors headers of the checkpoint the engine loaded."""
@@ -292,9 +327,13 @@ class WeightUpdateExtension:
         prev, prev_stall, self._ws_stall = self._ws_stats, self._ws_stall, None
         busy = self._ws_last_step is not None and t0 - self._ws_last_step < 1.0
         self._ws_gap_from = self._ws_last_step if busy else None
-        header = receive_header(self._ws_pg, self._ws_expected)
-        t_header, stats = time.perf_counter() - t0, {}
-        self.reload_weights(weights_iterator=iter_tensors(self._ws_pg, header, self._ws_buffers, stats))
+        try:
+            header = receive_header(self._ws_pg, self._ws_expected)
+            t_header, stats = time.perf_counter() - t0, {}
+            self.reload_weights(weights_iterator=iter_tensors(self._ws_pg, header, self._ws_buffers, stats))
+        except dist.DistError as e:  # gloo, and NCCL with blocking wait (init_group): a timeout or a lost peer
+            raise RuntimeError(f"the weight broadcast from trainer rank 0 failed ({e}); is trainer.py still "
+                               "running? the weight group's store is at sync.host:sync.port") from e
         refresh_tied_heads(self._ws_tied_heads)
         seconds = time.perf_counter() - t0
         self._ws_stats = {"version": header["version"], "seconds": seconds, "bytes": sum(header["buckets"]),
