@@ -1,10 +1,11 @@
 """Verifier: scores rollouts, completes groups, computes advantages, pushes training samples.
 
 Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor (common.SCHEMAS).
-Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group, for the trainer
-          ranks; an evaluation pass (`eval`: true) becomes a line of <run.dir>/eval.jsonl instead. Dropped groups
-          (zero-advantage when asked, malformed, stale) go back to their actor's admission budget through the
-          trainer's store (dropped/<proc>). Metrics: metrics_verifier.jsonl.
+Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group,
+          for the trainer ranks; an evaluation pass (`eval`: true) becomes a line of
+          <run.dir>/eval.jsonl instead. Dropped groups (zero-advantage when asked, malformed; never a
+          slow one) go back to their actor's admission budget through the trainer's store
+          (dropped/<proc>). Metrics: metrics_verifier.jsonl.
 Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports.rollouts, PULL samples from
             ports.samples; a drop needs the trainer's store at sync.host:sync.port)
 
@@ -161,7 +162,7 @@ class State:
         self.scoring = {}  # pool ticket -> (key, header, arrays)
         self.outbox = deque()  # encoded samples waiting for a trainer rank
         self.counts = dict.fromkeys(["groups_forwarded", "zero_adv_groups", "dropped_groups", "dropped_samples",
-                                     "duplicates", "malformed", "stale_groups", "evaluations",
+                                     "duplicates", "malformed", "slow_groups", "evaluations",
                                      *(f"status_{s}" for s in tasks.STATUSES)], 0)
         self.window = {"t": time.monotonic(), "samples": 0, "scored": [], "eval": None}  # since the last log
 
@@ -303,15 +304,20 @@ def main():
                 samples_sock.send_multipart(state.outbox[0], zmq.NOBLOCK, copy=False)
                 state.outbox.popleft()
                 state.window["samples"] += 1
-        # --- drop stale groups (a sample lost on the way); log ---
+        # --- report slow groups (never drop them); log ---
+        # A slow group is not a lost one: with a long tail of lengths its last sample may come minutes
+        # after its first, and dropping it would train only on the problems answered quickly (and lose
+        # an evaluation pass). A sample is known lost only when it arrives malformed (`receive` drops
+        # its group) or when a role dies, which ends the run.
         now = time.monotonic()
         if now - state.window["t"] >= cfg.run.log_every:
-            for key, group in list(state.open.items()):
-                if now - group["t0"] > v.stale_group_s:
-                    print(f"[verifier] group {key[1]} still incomplete after {now - group['t0']:.0f} s "
-                          f"({len(group['seen'])}/{group['size']} samples received): dropped", flush=True)
-                    state.counts["stale_groups"] += 1
-                    state.drop(key, group["proc"], group["size"])
+            for key, group in state.open.items():
+                if now - group["t0"] > v.stale_group_s and not group.get("reported"):
+                    group["reported"] = True
+                    print(f"[verifier] {'evaluation' if key[0] else 'group'} {key[1]} still incomplete after "
+                          f"{now - group['t0']:.0f} s ({len(group['seen'])}/{group['size']} samples "
+                          "received): waiting for the rest", flush=True)
+                    state.counts["slow_groups"] += 1
             log_window(state, pool, now)
 
     # --- shutdown (SIGTERM / SIGINT) ---

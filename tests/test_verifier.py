@@ -278,7 +278,7 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
     store = trainer_store()
     proc, push, pull, ctx = start_verifier(
         run_dir, model_dir, "verifier.reward_wrong=-0.5", "verifier.overlong_buffer=4",
-        "verifier.overlong_penalty=1.0", "actor.max_tokens=24", "verifier.stale_group_s=10", store=store)
+        "verifier.overlong_penalty=1.0", "actor.max_tokens=24", "verifier.stale_group_s=1", store=store)
     try:
         sent = {}
 
@@ -331,17 +331,24 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
         assert (m["verifier/status_wrong"], m["verifier/status_no_answer"], m["verifier/status_timeout"]) \
             == (1, 1, 0)
         assert m["verifier/queue_depth"] == 1  # group 3's one sample
-        # Dropped and given back to the actor's budget: group 9 (its malformed sample can never complete it,
-        # 2 samples) and group 3, still incomplete after stale_group_s (3 samples).
-        m = wait_metrics(run_dir, lambda r: "group 3 still incomplete" in stdout(run_dir) and r["verifier/stale_groups"])
-        assert (m["verifier/dropped_groups"], m["verifier/dropped_samples"], m["verifier/queue_depth"]) == (2, 5, 0)
-        assert store.add("dropped/0", 0) == 5
+        # Dropped and given back to the actor's budget: group 9 only (its malformed sample can never
+        # complete it, 2 samples). Group 3, still incomplete after stale_group_s, is reported, not dropped:
+        # its last samples arrive long after its first (a long completion) and it is trained on.
+        m = wait_metrics(run_dir, lambda r: "group 3 still incomplete" in stdout(run_dir)
+                         and r["verifier/slow_groups"])
+        assert (m["verifier/dropped_groups"], m["verifier/dropped_samples"], m["verifier/queue_depth"]) == (1, 2, 1)
+        assert store.add("dropped/0", 0) == 2
+        send(3, 2, 3, "arithmetic", "5", "#4")
+        send(3, 1, 3, "arithmetic", "5", "#5")
+        late = receive(pull, 3)
+        assert sorted(h["sample_idx"] for h, _ in late) == [0, 1, 2]
+        assert all(h["group_id"] == 3 for h, _ in late)
         # still serving after all that: a late duplicate of a forwarded group is dropped, a new group passes
         send(1, 3, 4, "arithmetic", "12", "#12")
         send(5, 0, 1, "arithmetic", "5", "#4")
         (h, _), = receive(pull, 1)
         assert (h["group_id"], h["status"], h["reward"], h["advantage"]) == (5, "wrong", -0.5, 0.0)
-        wait_metrics(run_dir, lambda r: r["verifier/duplicates"] == 2 and r["step"] == 4)
+        wait_metrics(run_dir, lambda r: r["verifier/duplicates"] == 2 and r["step"] == 5)
     finally:
         stop_verifier(proc, ctx, run_dir)
     assert stdout(run_dir).count("group 3 still incomplete") == 1  # logged once, not at every tick
@@ -375,11 +382,13 @@ def test_service_grades_evaluations_and_drops_non_finite_rollouts(tmp_path, toke
     model_dir, tok = tokenizer_dir
     run_dir = str(tmp_path)
     store = trainer_store()
-    proc, push, pull, ctx = start_verifier(run_dir, model_dir, store=store)
+    proc, push, pull, ctx = start_verifier(run_dir, model_dir, "verifier.stale_group_s=0.5", store=store)
     try:
         for i, text in enumerate(["#5", "#4", "#5", "nothing"]):  # 2 of 4 right
             h, a = rollout(tok, 30, i, 4, "arithmetic", "5", text)
             a["versions"] = np.full(len(a["versions"]), 30 + i // 2, np.int32)  # the pass spans versions 30-31
+            if i == 3:  # a slow pass: its last attempt comes after stale_group_s; it is recorded all the same
+                wait_metrics(run_dir, lambda r: r["verifier/slow_groups"] == 1)
             conftest.send(push, {**h, "eval": True}, a)
         h, a = rollout(tok, 30, 0, 2, "arithmetic", "5", "#5")  # training group 30: another id space
         conftest.send(push, {**h, "proc": 1}, a)
