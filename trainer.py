@@ -319,6 +319,7 @@ class TrainState:
     skipped: int = 0  # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
+    sent: int = -1  # the newest version broadcast to the actors (send_weights)
 
 def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
     """Load the HF model (init_from, model.path, or a checkpoint directory) unless given; shard it; on
@@ -465,7 +466,8 @@ def train_step(state: TrainState, samples, cfg) -> dict:
 def send_weights(state, sender, cfg, wait=False) -> float:
     """The current weights to the actors (-> seconds on the loop's path): all ranks gather each unit; rank 0 broadcasts
     it, or (sync.async_send) copies it for its AsyncSender thread to broadcast during the next step. A busy thread skips
-    this version (only the newest travel) unless `wait`: the conventional actor idles for it; version 0 must arrive."""
+    this version (only the newest travel) unless `wait`: the conventional actor idles for it; version 0 must arrive.
+    Sets state.sent, the newest version sent (the same on every rank)."""
     t0 = time.time()
     if cfg.sync.async_send and cfg.weight_world > 1:
         if sender is not None and wait:
@@ -479,7 +481,17 @@ def send_weights(state, sender, cfg, wait=False) -> float:
     else:
         for _ in named:  # the other ranks' part of each unit's all-gather
             pass
+    state.sent = state.step
     return time.time() - t0
+
+def weights_owed(step: int, sent: int, max_lag: int) -> bool:
+    """Must the actors get newer weights before the samples of optimizer step `step` can exist?
+
+    The actor starts samples for at most max_lag versions past the newest weights it holds (actor.admit):
+    with version `sent`, the samples of steps up to sent + max_lag. A step not broadcast (a non-finite
+    gradient skipped it, or the sender was still busy) does not move that bound, so after max_lag + 1 of
+    them the trainer would wait for samples the actor may not start (with max_lag=0: after one)."""
+    return step > sent + max_lag
 
 def _fsync(path):  # files and directories alike
     fd = os.open(path, os.O_RDONLY)
@@ -643,6 +655,9 @@ def main():
     batches = []  # this rank's shares of the optimizer steps whose samples are already here
     while state.step < cfg.trainer.max_steps:
         wait_s = 0.0
+        if not batches and cfg.actor.schedule == "pipeline" and weights_owed(state.step, state.sent,
+                                                                              cfg.actor.max_lag):
+            send_weights(state, sender, cfg, wait=True)
         if not batches:
             # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL step with one
             # policy before its first optimizer step; PipelineRL (G_steps=1) steps as soon as B are here.

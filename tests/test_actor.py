@@ -388,6 +388,41 @@ def test_slow_trainer_lag_bounded_nothing_dropped(env):
     assert sorted(groups) == list(range(len(groups)))  # prompt order from the cursor (0)
 
 
+def test_skipped_steps_do_not_stall_admission(env):
+    """actor.max_lag=0 and two optimizer steps in a row skipped (a non-finite gradient: no broadcast). The
+    actor may start only the samples of the version it holds, so the trainer's next step would wait for
+    samples that never start; trainer.weights_owed makes the trainer send the (unchanged) weights under the
+    new version first, as trainer.main does. Every step gets its samples, and every lag is 0."""
+    import trainer
+    max_lag, B, steps, skipped = 0, 8, 5, {1, 2}
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), f"actor.max_lag={max_lag}",
+                   "actor.max_tokens=16", "actor.max_inflight=16")
+    lags = []
+
+    def skipping_trainer(pull, st):
+        v0 = sent = env["trainer"].send(env["sd"])  # the actor's first weights
+        for step in range(steps):
+            version = v0 + step  # trained now; the step makes version + 1
+            if trainer.weights_owed(version, sent, max_lag):
+                sent = env["trainer"].send(env["sd"], version)
+            batch = _pull(pull, B, timeout_s=30)
+            lags.extend(int(x) for _, a in batch for x in version - a["versions"])
+            if step not in skipped:
+                sent = env["trainer"].send(env["sd"], version + 1)
+        return v0
+
+    _run_loop(env, cfg, skipping_trainer)
+    assert len(lags) > 0 and max(lags) == 0
+
+
+def test_weights_owed_hand_worked():
+    import trainer
+    assert not trainer.weights_owed(step=5, sent=5, max_lag=0)  # the actor holds the version trained now
+    assert trainer.weights_owed(step=6, sent=5, max_lag=0)  # one step skipped: owed at once
+    assert not trainer.weights_owed(step=7, sent=5, max_lag=2)  # two skipped: still within the lag
+    assert trainer.weights_owed(step=8, sent=5, max_lag=2)
+
+
 def test_conventional_schedule_exact_batches_one_version(env):
     B, G = 8, 2
     cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.schedule=conventional",
