@@ -287,6 +287,12 @@ class Actor:
                                   f"after {cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s)")
             await asyncio.sleep(0.01)
         self.next_group = int(store.get("cursor")) + self.proc
+        # On resume: the groups below the cursor that were not trained on (in flight at the checkpoint)
+        # come first; this process takes its share of them.
+        # (set before `cursor` by the trainer; a fake trainer may leave it out)
+        listed = store.get("untrained").decode() if store.check(["untrained"]) else ""
+        untrained = [int(g) for g in listed.split(",") if g]
+        self.redo = untrained[self.proc::cfg.actor_procs]
         st.version = st.first_version = int(store.get(f"announce/{n}"))  # get blocks until announce() sets it
         # That broadcast waits for the engines (a fresh engine holds no version; the trainer re-sends none).
         await update_weights(self.engines, st.version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
@@ -347,7 +353,11 @@ class Actor:
             if not ok:
                 blocked = cfg.actor.schedule == "pipeline"
                 break
-            gid, self.next_group = self.next_group, self.next_group + cfg.actor_procs
+            if self.redo:
+                gid = self.redo.pop(0)
+            else:
+                gid = self.next_group
+                self.next_group += cfg.actor_procs
             problem = self.stream.get(gid)
             prompt = prompt_ids(self.tokenizer, problem, cfg.data.prompt_format)  # once per group
             e = min(range(len(self.engines)), key=lambda i: sum(g[1] for g in st.groups.values() if g[2] == i))

@@ -31,7 +31,7 @@ import sys
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import groupby
 from pathlib import Path
@@ -316,6 +316,8 @@ class TrainState:
     fsdp: FSDP
     step: int = 0  # optimizer steps taken = version of the current weights
     max_group_id: int = -1  # largest group_id trained on, all ranks (the actor resumes after it)
+    trained_below: int = 0  # every group id below this was trained on (all ranks; kept by checkpoints)
+    trained: set = field(default_factory=set)  # ids >= trained_below this rank trained on
     skipped: int = 0  # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
@@ -344,6 +346,8 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
                 torch.cuda.set_rng_state(sds[0]["rng_cuda"])
         state.step, state.max_group_id, state.samples = meta["step"], meta["max_group_id"], meta["samples"]
         state.skipped = meta.get("skipped", 0)
+        state.trained_below = meta.get("trained_below", state.max_group_id + 1)  # older checkpoints: none
+        state.trained = set(meta.get("trained_above", []))
     return state
 
 def pack_micro_batches(samples, micro_batch_tokens):
@@ -441,6 +445,7 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     hi = all_reduce(torch.tensor([lags.max(initial=-10**9), -lags.min(initial=10**9), max_group], dtype=f64,
                                  device=device), dist.ReduceOp.MAX).tolist()
     state.max_group_id = max(state.max_group_id, int(hi[2]))
+    state.trained.update(int(x["group_id"]) for x in samples)
     state.samples += int(s["sequences"])
 
     tok = max(s["tokens"], 1.0)
@@ -507,9 +512,31 @@ def complete_checkpoints(root) -> list:
 def latest_checkpoint(root):
     return (complete_checkpoints(root) or [None])[-1]
 
+def untrained_groups(state) -> list:
+    """Group ids below max_group_id that no rank trained on: in flight (or dropped) when the checkpoint was
+    taken. Groups complete out of order, and the slow ones are the long completions: a resume that went on
+    after max_group_id alone would skip them for good. Also prunes `trained` to the ids above the first one.
+    All ranks call it (sync: one all-reduce and one all-gather)."""
+    device = state.fsdp.device
+    mine = torch.tensor(sorted(state.trained), dtype=torch.int64, device=device)  # [n] this rank's ids
+    n = int(all_reduce(torch.tensor([len(mine)], device=device), dist.ReduceOp.MAX).item())
+    padded = torch.full((n,), -1, dtype=torch.int64, device=device)  # [n] every rank sends as many
+    padded[:len(mine)] = mine
+    gathered = [torch.empty_like(padded) for _ in range(world())]
+    if world() > 1:
+        dist.all_gather(gathered, padded)
+    else:
+        gathered = [padded]
+    trained = {int(i) for t in gathered for i in t.tolist() if i >= 0}
+    missing = [i for i in range(state.trained_below, state.max_group_id + 1) if i not in trained]
+    state.trained_below = missing[0] if missing else state.max_group_id + 1
+    state.trained = {i for i in trained if i >= state.trained_below}
+    return missing
+
 def save_checkpoint(state, cfg, tokenizer=None) -> Path:
     """Atomic: everything goes into .tmp-step-N; COMPLETE is written last, then the directory is renamed."""
     from safetensors.torch import save_file
+    untrained_groups(state)  # all ranks: trained_below and trained, for the actor's resume
     root = cfg.run_dir / "checkpoints"
     final, tmp = root / f"step-{state.step}", root / f".tmp-step-{state.step}"
     if is_main():
@@ -536,6 +563,7 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
             tokenizer.save_pretrained(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(
             {"step": state.step, "version": state.step, "max_group_id": state.max_group_id,
+             "trained_below": state.trained_below, "trained_above": sorted(state.trained),
              "samples": state.samples, "skipped": state.skipped, "world_size": world(), "time": time.time()}))
     barrier()  # sync: every rank's optimizer shard is on disk before COMPLETE
     if is_main():
@@ -636,7 +664,11 @@ def main():
 
     # --- weight group: trainer rank 0 + every vLLM worker; version 0 (or the checkpoint's) goes out first ---
     if is_main() and store is not None:
-        store.set("cursor", str(state.max_group_id + 1))  # the actor's first prompt: after the last trained group
+        # The actor's first prompts: the groups below the last trained one that were not trained on (in
+        # flight when the checkpoint was taken), then the groups after it.
+        missing = range(state.trained_below, state.max_group_id + 1)
+        store.set("untrained", ",".join(str(i) for i in missing if i not in state.trained))
+        store.set("cursor", str(state.max_group_id + 1))
         sender = weights_sync.WeightSender(store, weights_sync.init_group(store, 0, cfg.weight_world, "auto",
                                                                           cfg.sync.timeout_s), cfg.sync.bucket_mb)
         sender = weights_sync.AsyncSender(sender) if cfg.sync.async_send else sender

@@ -415,6 +415,30 @@ def test_skipped_steps_do_not_stall_admission(env):
     assert len(lags) > 0 and max(lags) == 0
 
 
+def test_resume_generates_untrained_groups_first(env):
+    """On resume the trainer lists the groups below its cursor that were never trained on (in flight at the
+    checkpoint: the slow, long ones); the actor starts them before the cursor's."""
+    B = 8
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8")
+    env["store"].set("cursor", "10")
+    env["store"].set("untrained", "2,5")
+    consumed = []
+
+    def trainer_fn(pull, st):
+        env["trainer"].send(env["sd"])
+        for _ in range(2):
+            consumed.extend(_pull(pull, B))
+            env["trainer"].send(env["sd"])
+
+    try:
+        st, _, rest = _run_loop(env, cfg, trainer_fn)
+    finally:
+        env["store"].set("cursor", "0")
+        env["store"].delete_key("untrained")
+    groups = {h["group_id"] for h, _ in consumed + rest}
+    assert {2, 5, 10, 11} <= groups and not groups & {0, 1, 3, 4, 6, 7, 8, 9}, sorted(groups)
+
+
 def test_weights_owed_hand_worked():
     import trainer
     assert not trainer.weights_owed(step=5, sent=5, max_lag=0)  # the actor holds the version trained now

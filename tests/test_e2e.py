@@ -286,6 +286,16 @@ def test_killed_trainer_then_resume(tiny_model_dir, tmp_path):
     after = trainer_steps(run_dir)
     assert after[:len(before)] == before  # metrics appended, not overwritten
     assert after[len(before)] == last_ckpt + 1 and after[-1] == last_ckpt + 2
+    # Every group id below the checkpoint's last trained one is trained on: those still in flight at the
+    # checkpoint (groups finish out of order) come first after resume, not skipped for good.
+    records = read_jsonl(run_dir / "samples_trainer.jsonl")
+    kept = [r for r in records[:len(before)] if r["step"] <= last_ckpt] + records[len(before):]
+    trained = {g for r in kept for g in r["group_ids"]}
+    meta = json.loads((run_dir / "checkpoints" / f"step-{last_ckpt}" / "trainer_state.json").read_text())
+    upto = meta["max_group_id"]
+    print(f"in flight below group {upto} at the checkpoint: {meta['trained_below']}.., "
+          f"{upto + 1 - meta['trained_below'] - len(meta['trained_above'])} groups")
+    assert set(range(upto + 1)) <= trained, sorted(set(range(upto + 1)) - trained)
 
 
 def test_two_nodes_on_loopback(tiny_model_dir, tmp_path):

@@ -574,18 +574,22 @@ def _push_samples(push, stop, advantage_of):
             time.sleep(0.05)
 
 
-def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_path):
+@pytest.mark.parametrize("max_lag,versions", [(4, [0, 1, 3]), (0, [0, 1, 2, 3])])
+def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_path, max_lag, versions):
     """main(): the second batch's advantages (3e38) overflow the gradient, so step 2 is skipped and its
-    (unchanged) weights are not broadcast: the actor receives versions 0, 1, 3. A sample with a NaN
-    advantage is dropped as malformed and counted (the wire format refuses non-finite numbers)."""
+    (unchanged) weights are not broadcast: the actor receives versions 0, 1, 3. With actor.max_lag=0 the
+    actor could not start step 3's samples on version 1 (trainer.weights_owed): version 2 is sent before
+    them. A sample with a NaN advantage is dropped as malformed and counted (the wire format refuses
+    non-finite numbers)."""
     model_dir, samples_port, sync_port, push, stop = _model_and_verifier(tmp_path)
     actor = {}
 
     def verifier():
         _push_samples(push, stop, lambda i: 3e38 if 4 <= i < 8 else float("nan") if i == 9 else None)
 
-    proc = _launch(tmp_path, model_dir, 1, sync_port, samples_port, "trainer.max_steps=3", "sync.async_send=false")
-    threads = [threading.Thread(target=_fake_actor, args=(sync_port, 3, actor), daemon=True),
+    proc = _launch(tmp_path, model_dir, 1, sync_port, samples_port, "trainer.max_steps=3", "sync.async_send=false",
+                   f"actor.max_lag={max_lag}")
+    threads = [threading.Thread(target=_fake_actor, args=(sync_port, len(versions), actor), daemon=True),
                threading.Thread(target=verifier, daemon=True)]
     for t in threads:
         t.start()
@@ -597,7 +601,22 @@ def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_pa
     assert [r["trainer/step_skipped"] for r in recs] == [0, 1, 0] and recs[-1]["trainer/skipped_steps"] == 1
     assert recs[-1]["trainer/malformed"] == 1
     threads[0].join(timeout=30)
-    assert actor["versions"] == [0, 1, 3], out
+    assert actor["versions"] == versions, out
+
+
+def test_untrained_groups_below_the_last_trained_one():
+    """Groups finish out of order: at a checkpoint, ids below the largest trained one may still be in flight.
+    They are listed (the actor generates them first on resume) and the bookkeeping keeps only what is above
+    the first of them."""
+    from types import SimpleNamespace
+    state = SimpleNamespace(fsdp=SimpleNamespace(device=torch.device("cpu")), trained_below=0,
+                            trained={0, 1, 3, 5, 6}, max_group_id=6)
+    assert trainer.untrained_groups(state) == [2, 4]
+    assert state.trained_below == 2 and state.trained == {3, 5, 6}
+    state.trained |= {2, 4, 7}
+    state.max_group_id = 7
+    assert trainer.untrained_groups(state) == []
+    assert state.trained_below == 8 and state.trained == set()
 
 
 def _dying_actor(sync_port):
