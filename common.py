@@ -8,6 +8,7 @@
 """
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -40,15 +41,30 @@ DEFAULTS = _read_yaml(REPO / "config.yaml")
 SECTIONS = {name: dataclasses.make_dataclass(f"{name.title()}Cfg", [(k, tuple if isinstance(v, list) else type(v))
                                                                     for k, v in values.items()], frozen=True)
             for name, values in DEFAULTS.items()}
-CHOICES = {("data", "task"): ("arithmetic", "math"), ("data", "prompt_format"): ("plain", "chat"),
+CHOICES = {("data", "task"): ("arithmetic", "longtail", "math"),
+           ("data", "prompt_format"): ("plain", "chat"),
            ("actor", "schedule"): ("pipeline", "conventional"),
            ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
            ("trainer", "reduce_dtype"): ("float32", "bfloat16")}
-MINIMUMS = {"actor": dict(engines=1, tp=1, group_size=1, max_inflight=1, G_steps=1, max_tokens=1, max_lag=0,
-                          eval_every=0),
-            "trainer": dict(nproc=1, nnodes=1, batch_size=1, micro_batch_tokens=1, max_steps=1, keep_checkpoints=1,
-                            checkpoint_every=0, grad_clip=0, logits_chunk=0),
-            "verifier": dict(workers=1, overlong_buffer=0), "data": dict(test_size=1)}
+# Bounds of the numeric keys: value >= MINIMUMS[section][key]; value > 0 for the POSITIVE keys.
+# Upper bounds and combinations: `_rules`. Every float must also be finite: nan passes every bound
+# check (lr=nan would train on nothing; reward_correct=nan makes every group with a correct answer
+# malformed), and inf overflows a timeout.
+MINIMUMS = {"run": dict(seed=0, log_every=0),
+            "actor": dict(engines=1, tp=1, group_size=1, max_inflight=1, G_steps=1, max_tokens=1,
+                          max_lag=0, eval_every=0, eval_temperature=0),
+            "trainer": dict(nproc=1, nnodes=1, batch_size=1, micro_batch_tokens=1, max_steps=1,
+                            keep_checkpoints=1, checkpoint_every=0, grad_clip=0, logits_chunk=0,
+                            weight_decay=0),
+            "verifier": dict(workers=1, max_chars=1, overlong_buffer=0, overlong_penalty=0),
+            "data": dict(test_size=1),
+            "sync": dict(port=1, verify_every=0),
+            "ports": dict(rollouts=1, samples=1)}
+POSITIVE = {"run": ("peer_timeout_s",),
+            "actor": ("temperature", "top_p", "kv_cache_gb", "gpu_memory_utilization"),
+            "verifier": ("timeout_s", "stale_group_s"),
+            "trainer": ("lr", "eps", "is_clamp"),
+            "sync": ("bucket_mb", "timeout_s")}
 
 class _Derived:
     # --- Config's derived values: computed here and nowhere else ---
@@ -128,40 +144,80 @@ def load_config(overrides=(), path=None) -> Config:
     return cfg
 
 def validate(cfg: Config):
-    """Impossible combinations fail here, before any process starts."""
+    """Impossible combinations fail here, before any process starts, naming the keys and the fix."""
     for (sec, key), allowed in CHOICES.items():
         if (value := getattr(getattr(cfg, sec), key)) not in allowed:
             raise ConfigError(f"{sec}.{key}={value!r}; allowed: {', '.join(allowed)}")
+    for sec, section in dataclasses.asdict(cfg).items():
+        for key, value in section.items():
+            values = value if isinstance(value, tuple) else (value,)  # trainer.betas: a tuple
+            if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                raise ConfigError(f"{sec}.{key}={value}: must be a finite number")
     for sec, bounds in MINIMUMS.items():
         for key, low in bounds.items():
             if (value := getattr(getattr(cfg, sec), key)) < low:
                 raise ConfigError(f"{sec}.{key}={value}: must be >= {low}")
-    a, t, d, conventional = cfg.actor, cfg.trainer, cfg.data, cfg.actor.schedule == "conventional"
-    ranks = t.nproc * t.nnodes
-    per_version = t.batch_size * (a.G_steps if conventional else 1)  # samples one policy version generates
-    batch_key = "trainer.batch_size*actor.G_steps" if conventional else "trainer.batch_size"
-    for broken, message in (  # checked in order: the first broken rule names its keys
-            (t.batch_size % a.group_size, f"trainer.batch_size={t.batch_size} must be a multiple of "
-             f"actor.group_size={a.group_size} (only complete groups are trained on)"),
-            (per_version % (cfg.actor_procs * a.group_size), f"{batch_key}={per_version} must split into whole "
-             f"groups of actor.group_size={a.group_size} over the {cfg.actor_procs} actor processes "
-             f"(NNODES - trainer.nnodes): each process starts an equal share"),
-            (t.batch_size % ranks, f"trainer.batch_size={t.batch_size} must be divisible by the trainer ranks "
-             f"(trainer.nproc*trainer.nnodes={ranks})"),
-            (a.temperature <= 0, f"actor.temperature={a.temperature}: must be > 0 (the trainer divides logits by it)"),
-            (not 0 < a.top_p <= 1, f"actor.top_p={a.top_p}: must be in (0, 1]"),
-            (t.lr <= 0 or t.is_clamp <= 0 or cfg.sync.bucket_mb <= 0,
-             "trainer.lr, trainer.is_clamp and sync.bucket_mb must be > 0"),
-            (conventional and a.max_lag < a.G_steps - 1, f"actor.max_lag={a.max_lag} < actor.G_steps-1="
-             f"{a.G_steps - 1}: conventional RL trains G_steps batches on one version, so its lag reaches G_steps-1"),
-            (a.schedule == "pipeline" and a.G_steps != 1,
-             "actor.G_steps applies to actor.schedule=conventional only; leave it at 1"),
-            (d.task == "math" and not d.train_path,
-             "data.task=math needs data.train_path (a JSONL file or an HF dataset name)"),
-            (not 1 <= d.min_digits <= d.max_digits <= 9,
-             "data.min_digits/max_digits: need 1 <= min_digits <= max_digits <= 9")):
+    for sec, keys in POSITIVE.items():
+        for key in keys:
+            if (value := getattr(getattr(cfg, sec), key)) <= 0:
+                raise ConfigError(f"{sec}.{key}={value}: must be > 0")
+    for broken, message in _rules(cfg):
         if broken:
             raise ConfigError(message)
+
+def _rules(cfg: Config):
+    """(broken, message) pairs in order: the first broken one is reported. A generator: a rule is
+    only evaluated once the ones before it passed, so it may rely on them."""
+    a = cfg.actor
+    t = cfg.trainer
+    d = cfg.data
+    conventional = a.schedule == "conventional"
+    ranks = t.nproc * t.nnodes
+    per_version = t.batch_size * (a.G_steps if conventional else 1)  # samples one version generates
+    batch_key = "trainer.batch_size*actor.G_steps" if conventional else "trainer.batch_size"
+    yield (t.batch_size % a.group_size, f"trainer.batch_size={t.batch_size} must be a multiple of "
+           f"actor.group_size={a.group_size} (only complete groups are trained on)")
+    yield (per_version % (cfg.actor_procs * a.group_size), f"{batch_key}={per_version} must split "
+           f"into whole groups of actor.group_size={a.group_size} over the {cfg.actor_procs} actor "
+           f"processes (NNODES - trainer.nnodes): each process starts an equal share")
+    yield (t.batch_size % ranks, f"trainer.batch_size={t.batch_size} must be divisible by the "
+           f"trainer ranks (trainer.nproc*trainer.nnodes={ranks})")
+    # actor.py admits a group only when all of its samples fit in the engines' slots
+    yield (a.max_inflight * a.engines < a.group_size, f"actor.max_inflight*actor.engines="
+           f"{a.max_inflight * a.engines} < actor.group_size={a.group_size}: no group ever fits in "
+           f"flight; raise actor.max_inflight to at least {-(-a.group_size // a.engines)}")
+    yield (a.top_p > 1, f"actor.top_p={a.top_p}: must be in (0, 1]")
+    yield (a.gpu_memory_utilization > 1,
+           f"actor.gpu_memory_utilization={a.gpu_memory_utilization}: must be in (0, 1]")
+    yield (not all(0 <= b < 1 for b in t.betas),
+           f"trainer.betas={list(t.betas)}: each must be in [0, 1)")
+    yield (conventional and a.max_lag < a.G_steps - 1, f"actor.max_lag={a.max_lag} < "
+           f"actor.G_steps-1={a.G_steps - 1}: conventional RL trains G_steps batches on one "
+           f"version, so its lag reaches G_steps-1")
+    yield (a.schedule == "pipeline" and a.G_steps != 1,
+           "actor.G_steps applies to actor.schedule=conventional only; leave it at 1")
+    yield (d.task == "math" and not d.train_path,
+           "data.task=math needs data.train_path (a JSONL file or an HF dataset name)")
+    yield (not 1 <= d.min_digits <= d.max_digits <= 9,
+           "data.min_digits/max_digits: need 1 <= min_digits <= max_digits <= 9")
+    # tasks.arithmetic_test draws until it has test_size distinct problems (forever if there are
+    # fewer), and the training stream redraws a problem of the test split up to 1000 times: keep at
+    # least half the problems out of the test split. Operands as tasks._draw_operands draws them.
+    digits = range(d.min_digits, d.max_digits + 1)
+    problems = sum(10 if n == 1 else 9 * 10 ** (n - 1) for n in digits) ** 2
+    yield (d.task == "arithmetic" and d.test_size > problems // 2,
+           f"data.test_size={d.test_size}: data.min_digits={d.min_digits}..data.max_digits="
+           f"{d.max_digits} make only {problems} distinct problems, and at least half must stay "
+           f"out of the test split; lower data.test_size to {problems // 2} or raise "
+           f"data.max_digits")
+    # Ports: run.sh's torchrun listens on sync.port+1 for its rendezvous.
+    ports = {"sync.port": cfg.sync.port, "sync.port+1": cfg.sync.port + 1,
+             "ports.rollouts": cfg.ports.rollouts, "ports.samples": cfg.ports.samples}
+    for name, port in ports.items():
+        yield (port > 65535, f"{name}={port}: must be at most 65535")
+    for (name, port), (other, port2) in itertools.combinations(ports.items(), 2):
+        yield (port == port2, f"{name} and {other} are both {port} (run.sh's torchrun listens on "
+               f"sync.port+1): give each its own port")
 
 def config_to_dict(cfg: Config) -> dict:
     return {name: {k: list(v) if isinstance(v, tuple) else v for k, v in section.items()}
@@ -205,6 +261,21 @@ _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, 
 _ARRAYS = {"prompt_ids": "int32", "completion_ids": "int32", "logprobs": "float32", "versions": "int32"}
 SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS),
            "sample": ({**_ROLLOUT, "reward": float, "status": str, "advantage": float}, _ARRAYS)}
+# Size caps. A header is ~300 bytes (a long math answer adds a few KiB). A frame is one sequence's
+# tokens at 4 bytes each: 16 MiB holds 4M tokens. Anything bigger is a bug or an attack.
+MAX_HEADER_BYTES = 64 * 2**10
+MAX_FRAME_BYTES = 16 * 2**20
+# Header ids and counts (group_id, sample_idx, group_size, proc) are non-negative and fit in int32:
+# the trainer sums them in float64 and the store adds them as int64, exactly.
+_MAX_ID = 2**31 - 1
+_WHAT = {bool: "true or false", int: f"an integer in [0, {_MAX_ID}]", float: "a finite number",
+         str: "a string"}
+
+def limit_message_size(sock):
+    """Call on a PULL socket before bind/connect: ZMQ then disconnects a peer that sends a frame
+    over MAX_FRAME_BYTES (ZMQ_MAXMSGSIZE counts each frame) instead of allocating it."""
+    import zmq
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
 
 def encode(header: dict, arrays: dict) -> list:
     """header (JSON-able dict) + {name: ndarray} -> list of frames."""
@@ -215,54 +286,90 @@ def encode(header: dict, arrays: dict) -> list:
     meta = [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape)} for n, a in arrays.items()]
     return [json.dumps({**header, "arrays": meta}).encode()] + [a.tobytes() for a in arrays.values()]
 
-def peek_header(frames) -> dict:
-    """The JSON header of a message as far as it parses ({} if not): also who sent a malformed one."""
+def _show(value) -> str:
+    """A received value in an error message: short, and never the repr of a nested structure."""
+    return repr(value)[:60] if isinstance(value, (int, float, str)) else type(value).__name__
+
+def _valid(typ, value) -> bool:
+    """Whether a header value has the schema's type: bool apart from the numbers (JSON has true and
+    1), finite floats (JSON has NaN), ids and counts in [0, _MAX_ID]."""
+    if typ is bool:
+        return isinstance(value, bool)
+    if typ is int:
+        return type(value) is int and 0 <= value <= _MAX_ID
+    if typ is float:
+        if type(value) is int:  # within float64's exact range: a huger one would overflow float()
+            return abs(value) <= 2**53
+        return type(value) is float and math.isfinite(value)
+    return isinstance(value, typ)
+
+def _parse_header(frames) -> dict:
+    """Frame 0 as a JSON object, else WireError."""
+    if len(frames) == 0:
+        raise WireError("empty message")
+    if memoryview(frames[0]).nbytes > MAX_HEADER_BYTES:
+        raise WireError(f"header over {MAX_HEADER_BYTES} bytes")
     try:
         header = json.loads(bytes(frames[0]).decode("utf-8"))
-        return header if isinstance(header, dict) else {}
-    except (IndexError, UnicodeDecodeError, json.JSONDecodeError):
+    # ValueError: not JSON, or an integer of over 4300 digits; RecursionError: nested too deep
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise WireError(f"frame 0 is not UTF-8 JSON: {type(e).__name__}") from e
+    if not isinstance(header, dict):
+        raise WireError("frame 0 is not a JSON object")
+    return header
+
+def peek_header(frames) -> dict:
+    """The schemas' header fields that are valid by themselves, also in a malformed message ({} if
+    frame 0 is not a JSON object): who sent it and its group, safe to add up in the store."""
+    try:
+        header = _parse_header(frames)
+    except WireError:
         return {}
+    types = SCHEMAS["sample"][0]  # the rollout's fields and the sample's
+    return {k: v for k, v in header.items() if k in types and _valid(types[k], v)}
 
 def decode(frames: list, kind: str):
-    """Frames -> (header, arrays), checked against `SCHEMAS[kind]`."""
-    header = peek_header(frames)
+    """Frames -> (header, arrays) as `SCHEMAS[kind]` says, else WireError, whatever the bytes: one
+    bad message must never stop a role (tests/test_wire_fuzz.py: a seeded fuzzer checks it)."""
+    fields, array_dtypes = SCHEMAS[kind]
+    header = _parse_header(frames)
     meta = header.pop("arrays", None)
-    if not isinstance(meta, list):
-        raise WireError("frame 0 must be a UTF-8 JSON object with an 'arrays' list")
-    if len(meta) != len(frames) - 1:
-        raise WireError(f"header lists {len(meta)} arrays but {len(frames) - 1} frames follow")
+    if not isinstance(meta, list) or len(meta) != len(frames) - 1:
+        raise WireError(f"the header's 'arrays' must list the {len(frames) - 1} frames after it")
     arrays = {}
     for m, frame in zip(meta, frames[1:]):
-        try:
-            name, dtype, shape = m["name"], m["dtype"], [int(s) for s in m["shape"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise WireError(f"bad array entry {m!r}") from e
-        if dtype not in _DTYPES or any(s < 0 for s in shape):
-            raise WireError(f"array {name!r}: bad dtype {dtype!r} or shape {shape}")
+        name = m.get("name") if isinstance(m, dict) else None
+        if not isinstance(name, str) or name not in array_dtypes or name in arrays:
+            raise WireError(f"{kind}: arrays are {', '.join(array_dtypes)}, each once; got "
+                            f"{_show(name)}")
+        dtype = array_dtypes[name]
+        shape = m.get("shape")
+        # 1-D only: the byte count is then one product, of Python ints, which never overflow
+        one_d = isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int
+        if m.get("dtype") != dtype or not one_d:
+            raise WireError(f"{kind}: array {name!r} must be 1-D {dtype}, got "
+                            f"{_show(m.get('dtype'))} of shape {_show(shape)}")
         buf = memoryview(frame)
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
-        if buf.nbytes != expected:
-            raise WireError(f"array {name!r}: {buf.nbytes} bytes, expected {expected} for {dtype}{shape}")
-        arrays[name] = np.frombuffer(buf, dtype=_DTYPES[dtype]).reshape(shape)
-    fields, array_dtypes = SCHEMAS[kind]
+        if buf.nbytes > MAX_FRAME_BYTES or buf.nbytes != shape[0] * np.dtype(dtype).itemsize:
+            raise WireError(f"array {name!r}: {buf.nbytes} bytes for {dtype}[{shape[0]}]")
+        arrays[name] = np.frombuffer(buf, dtype=dtype)
+        if dtype.startswith("float") and not np.isfinite(arrays[name]).all():
+            raise WireError(f"{kind}: array {name!r} holds non-finite values")
+    if len(arrays) != len(array_dtypes):
+        missing = sorted(set(array_dtypes) - set(arrays))
+        raise WireError(f"{kind}: arrays {', '.join(missing)} missing")
     for key, typ in fields.items():
         if key not in header:
             raise WireError(f"{kind}: missing field {key!r}")
-        v = header[key]
-        ok = isinstance(v, bool) if typ is bool else not isinstance(v, bool) and (
-            isinstance(v, (int, float)) and math.isfinite(v) if typ is float else isinstance(v, typ))  # JSON has NaN
-        if not ok:
-            raise WireError(f"{kind}: field {key!r} should be a finite {typ.__name__}, got {v!r}")
-    for key, dtype in array_dtypes.items():
-        if key not in arrays or arrays[key].dtype != _DTYPES[dtype] or arrays[key].ndim != 1:
-            raise WireError(f"{kind}: array {key!r} must be present and 1-D {dtype}")
-        if dtype.startswith("float") and not np.isfinite(arrays[key]).all():
-            raise WireError(f"{kind}: array {key!r} holds non-finite values")
+        if not _valid(typ, header[key]):
+            raise WireError(f"{kind}: field {key!r} should be {_WHAT[typ]}, got "
+                            f"{_show(header[key])}")
     n = len(arrays["completion_ids"])
     if len(arrays["logprobs"]) != n or len(arrays["versions"]) != n:
         raise WireError(f"{kind}: logprobs/versions must have one entry per completion token ({n})")
-    if not 0 <= header["sample_idx"] < header["group_size"]:
-        raise WireError(f"{kind}: sample_idx {header['sample_idx']} outside group of {header['group_size']}")
+    if not header["sample_idx"] < header["group_size"]:
+        raise WireError(f"{kind}: sample_idx {header['sample_idx']} outside group of "
+                        f"{header['group_size']}")
     return header, arrays
 
 def zmq_addr(host: str, port: int) -> str:

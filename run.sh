@@ -88,8 +88,11 @@ fi
 if (( NNODES > 1 )) && ! printf '%s\n' "${OVERRIDES[@]}" | grep -q '^run.dir='; then
   echo "config error: run.dir: with NNODES>1 it must be explicit; pass the same run.dir=... on every node" >&2; exit 2
 fi
-# Config, model and GPU checks (scripts/launch.py check), this node's roles and resolved device sets, as shell values.
-SHELL_VALUES=$(NODE_RANK=$NODE_RANK "$PY" scripts/launch.py shell "${OVERRIDES[@]}") || exit 2
+# Config, model and GPU checks (scripts/launch.py check), this node's roles and resolved device
+# sets, as shell values. They come over fd 3, which nothing else writes to; stdout goes to stderr:
+# whatever an import prints there (vLLM logs to stdout) is shown, never evaluated.
+SHELL_VALUES=$(NODE_RANK=$NODE_RANK "$PY" scripts/launch.py shell /dev/fd/3 "${OVERRIDES[@]}" \
+               3>&1 1>&2) || exit 2
 eval "$SHELL_VALUES"
 OVERRIDES+=("${GPU_OVERRIDES[@]}" "run.dir=$RUN_DIR")
 mkdir -p "$RUN_DIR/logs"

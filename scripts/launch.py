@@ -3,12 +3,16 @@ progress lines and closing summary.
 
     python scripts/launch.py check [section.key=value ...]   validate the config, the model and this node's
                                                              GPUs; print the resolved config
-    python scripts/launch.py shell [section.key=value ...]   the same checks, then the values run.sh evals
+    python scripts/launch.py shell OUT [section.key=value ...]
+                                                             the same checks, then write the values
+                                                             run.sh evals to the file OUT
     python scripts/launch.py progress RUN_DIR                follow a run: one line per optimizer step
     python scripts/launch.py summary RUN_DIR                 the run's closing line
 
-`shell` reads NODE_RANK and NNODES as run.sh exports them. A bad config prints `config error: ...` alone
-on stderr and exits 2, before any process starts.
+`shell` reads NODE_RANK and NNODES as run.sh exports them. run.sh passes OUT=/dev/fd/3, a channel
+that nothing else writes to: what an import prints on stdout (vLLM logs there) must never become a
+shell command. A bad config prints `config error: ...` alone on stderr and exits 2, before any
+process starts.
 """
 import contextlib
 import json
@@ -142,12 +146,35 @@ def model_check_key(path) -> str:
     return hashlib.sha256(config + versions.encode()).hexdigest()
 
 
+def check_node(cfg, roles, visible: list):
+    """The config against this node: NNODES and NODE_RANK (run.sh's), and whether it has GPUs."""
+    nnodes = int(os.environ.get("NNODES", "1"))
+    rank = int(os.environ.get("NODE_RANK", "0"))
+    if not 0 <= rank < nnodes:
+        raise ConfigError(f"NODE_RANK={rank}: must be in 0..NNODES-1={nnodes - 1}")
+    # One node runs every role; on several, the nodes after the trainer's run one actor each.
+    if nnodes == 1 and cfg.trainer.nnodes != 1:
+        raise ConfigError(f"trainer.nnodes={cfg.trainer.nnodes} but NNODES=1: torchrun would wait "
+                          f"for trainer nodes that never come; set trainer.nnodes=1, or launch on "
+                          f"{cfg.trainer.nnodes + 1} or more nodes")
+    if nnodes > 1 and cfg.trainer.nnodes >= nnodes:
+        raise ConfigError(f"trainer.nnodes={cfg.trainer.nnodes} leaves none of the NNODES={nnodes} "
+                          f"nodes to run an actor; set trainer.nnodes to at most {nnodes - 1}, or "
+                          f"add nodes")
+    # On CPU, actor.py starts each engine as one process: the weight group would wait for tp-1 more.
+    if "actor" in roles and not visible and cfg.actor.tp > 1:
+        raise ConfigError(f"actor.tp={cfg.actor.tp}: tensor parallelism needs GPUs and this node "
+                          f"has none; set actor.tp=1 (on CPU each engine is one process)")
+
+
 def check(cfg, roles=None, visible=None) -> dict:
-    """What can fail before a process starts beyond the config itself: the model, and this node's device
-    sets (returned; see `device_sets`)."""
+    """What can fail before a process starts beyond the config itself: this node (`check_node`), the
+    model, and this node's device sets (returned; see `device_sets`)."""
+    roles = node_roles(cfg) if roles is None else roles
+    visible = visible_gpus() if visible is None else visible
+    check_node(cfg, roles, visible)
     check_model(cfg)
-    return device_sets(cfg, node_roles(cfg) if roles is None else roles,
-                       visible_gpus() if visible is None else visible)
+    return device_sets(cfg, roles, visible)
 
 
 def resolve_run_dir(cfg, roles: list) -> str:
@@ -209,7 +236,12 @@ def _new_records(path: Path, offset: int):
     except FileNotFoundError:
         return [], offset
     end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next poll
-    return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()], offset + end
+    records = []
+    for line in chunk[:end].splitlines():
+        # a writer killed mid-line and then resumed leaves a torn record joined to the next one
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return [r for r in records if isinstance(r, dict)], offset + end
 
 
 def progress(run_dir: str, poll_s: float = 1.0):
@@ -252,10 +284,15 @@ def summary(run_dir: str) -> str:
 
 if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else ""
+    # an override where OUT belongs (the call before OUT existed) would name the file to write
+    if cmd == "shell" and (len(sys.argv) < 3 or "=" in sys.argv[2]):
+        sys.exit("usage: python scripts/launch.py shell OUT [section.key=value ...]")
     if cmd in ("check", "shell"):
         try:
             if cmd == "shell":
-                print(shell(sys.argv[2:]))
+                values = shell(sys.argv[3:])
+                with open(sys.argv[2], "w") as out:
+                    out.write(values + "\n")
             else:  # the resolved config, with this node's GPU sets
                 cfg = common.load_config(sys.argv[2:])
                 resolved, gpus = common.config_to_dict(cfg), check(cfg)
@@ -269,4 +306,5 @@ if __name__ == "__main__":
     elif cmd == "summary":
         print(summary(sys.argv[2]))
     else:
-        sys.exit("usage: python scripts/launch.py check|shell [section.key=value ...] | progress RUN_DIR | summary RUN_DIR")
+        sys.exit("usage: python scripts/launch.py check [section.key=value ...] | shell OUT "
+                 "[section.key=value ...] | progress RUN_DIR | summary RUN_DIR")

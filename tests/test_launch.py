@@ -21,6 +21,13 @@ from scripts import launch
 BOTH = ("verifier", "trainer", "actor")
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """check_model remembers the models that passed under XDG_CACHE_HOME: with the real ~/.cache, a
+    warm machine would skip the very checks these tests are about."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 # --- GPU device sets ------------------------------------------------------------------------------------
 
 def gpus(overrides, roles=BOTH, n=8, visible=None):
@@ -96,16 +103,41 @@ def test_shell_hands_every_role_its_resolved_gpus(tmp_path):
                               + '\necho "${THREADS[verifier]} ${THREADS[trainer]} ${THREADS[actor]}"'],
                              capture_output=True, text=True, check=True).stdout.split()
     assert threads == ["1", "3", "1"]  # run.sh's OMP_NUM_THREADS per role: one per core of its list
-    # through the command line, as run.sh calls it, with CUDA_VISIBLE_DEVICES naming the node's GPUs
+    # through the command line, as run.sh calls it, with CUDA_VISIBLE_DEVICES naming the node's
+    # GPUs: the values go to the file named first, nothing to stdout
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6,7", "NNODES": "2", "NODE_RANK": "1"}
-    r = subprocess.run([sys.executable, "scripts/launch.py", "shell", run, "actor.engines=2", "actor.tp=2"],
-                       cwd=REPO, env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert shell_values(r.stdout) == ["4,5,6,7", "", "actor", "actor.gpus=4,5,6,7"]
+    out = tmp_path / "values.sh"
+    r = subprocess.run([sys.executable, "scripts/launch.py", "shell", out, run, "actor.engines=2",
+                        "actor.tp=2"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and not r.stdout, r.stderr
+    assert shell_values(out.read_text()) == ["4,5,6,7", "", "actor", "actor.gpus=4,5,6,7"]
     env["CUDA_VISIBLE_DEVICES"] = "0"
-    r = subprocess.run([sys.executable, "scripts/launch.py", "shell", run], cwd=REPO,
+    out.unlink()
+    r = subprocess.run([sys.executable, "scripts/launch.py", "shell", out, run], cwd=REPO,
                        env=env | {"NNODES": "1", "NODE_RANK": "0"}, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("config error: trainer.gpus:") and not r.stdout
+    assert not out.exists()
+
+
+def test_run_sh_evaluates_only_what_launch_py_hands_over(tmp_path):
+    """run.sh evals the assignments `launch.py shell` writes to fd 3, never its stdout, where any
+    import may print (vLLM logs to stdout): here every Python start prints a shell command on stdout
+    (sitecustomize), and it must not run. The run then stops at its first step after the eval: the
+    run directory lies under a regular file, so mkdir fails on the RUN_DIR that came over fd 3."""
+    marker = tmp_path / "executed"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(f"print('touch {marker}')\n")
+    (tmp_path / "file").write_text("")
+    run_dir = tmp_path / "file" / "run"
+    # two GPU ids named: the device checks pass on any machine (no role starts)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "NNODES": "1", "NODE_RANK": "0",
+           "CUDA_VISIBLE_DEVICES": "0,1"}
+    r = subprocess.run(["bash", "run.sh", f"run.dir={run_dir}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert not marker.exists()
+    assert f"touch {marker}" in r.stderr  # shown to the user
+    assert r.returncode == 1, r.stderr
+    assert f"{tmp_path / 'file'}" in r.stderr and "Not a directory" in r.stderr  # mkdir's message
 
 
 # --- model checks -----------------------------------------------------------------------------------------
@@ -121,6 +153,7 @@ def check_model(path):
 
 
 def test_check_model_accepts_the_tiny_model_and_one_in_the_hf_cache(tiny_model_dir, tmp_path, monkeypatch):
+    assert not launch.checked_models().exists()  # nothing remembered: the check runs in full
     check_model(tiny_model_dir)
     # the local HF cache's layout: models--org--name/{refs/main, snapshots/<commit>/...}
     import huggingface_hub
@@ -206,6 +239,11 @@ def test_progress_reads_only_appended_complete_lines(tmp_path):
     recs, off2 = launch._new_records(path, off)
     assert [r["step"] for r in recs] == [3] and off2 == path.stat().st_size
     assert launch._new_records(tmp_path / "missing.jsonl", 5) == ([], 5)
+    # a writer killed mid-line, then resumed: the torn record joins the next one; both are lost
+    with open(path, "a") as f:
+        f.write('{"step": 4, "ti' + '{"step": 5}\n7\n{"step": 6}\n')
+    recs, _ = launch._new_records(path, off2)
+    assert [r["step"] for r in recs] == [6]
     (tmp_path / "eval.jsonl").write_text('{"version": 0, "test_reward": 0.4}\n{"version": 10, "test_reward": 0.5}\n')
     path.write_text('{"step": 7, "trainer/lag_max": 2}\n{"step": 7, "trainer/done": 1}\n')
     assert launch.summary(str(tmp_path)) == ("[run.sh] summary: 7 steps | test reward 0.400 (v0) -> 0.500 (v10), "
