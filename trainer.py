@@ -321,6 +321,8 @@ class TrainState:
     skipped: int = 0  # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
+    # actor process -> (its heartbeat alive/<p>, time.monotonic() here when that value was first seen)
+    beats: dict = field(default_factory=dict)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
 
 def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
@@ -384,13 +386,13 @@ def collate(samples, version, device):
     return {k: v.to(device) for k, v in dict(input_ids=input_ids, targets=input_ids[:, 1:], old_logprobs=old_logprobs,
                                              mask=mask, lags=lags, advantages=advantages).items()}
 
-def completion_forward(model, x, cfg):
+def completion_forward(model, x, temperature: float, top_p: float, logits_chunk: int):
     """Under the root unit (FSDP.run_root): decoder -> final hidden states -> lm_head at completion positions
     only -> (2) log π and (3) entropy, scattered back to [B,T-1] (zeros elsewhere; masked out by the loss)."""
     hidden = model.model(input_ids=x["input_ids"], use_cache=False).last_hidden_state[:, :-1]  # [B,T-1,D]
     m = x["mask"]  # [B,T-1]
     logprobs, entropy = loss.completion_logprobs(hidden[m], model.lm_head.weight, x["targets"][m],  # [N] each
-                                                 cfg.actor.temperature, cfg.actor.top_p, cfg.trainer.logits_chunk)
+                                                 temperature, top_p, logits_chunk)
     zeros = torch.zeros(m.shape, dtype=torch.float32, device=m.device)  # [B,T-1]
     return zeros.masked_scatter(m, logprobs), zeros.masked_scatter(m, entropy)
 
@@ -415,7 +417,9 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     sums = {}
     for mb in batches + [[]] * (n_mb - len(batches)):
         x = collate(mb, version, device)
-        logprobs, entropy = state.fsdp.run_root(completion_forward, state.model, x, cfg)  # [B,T-1] each
+        logprobs, entropy = state.fsdp.run_root(completion_forward, state.model, x,  # [B,T-1] each
+                                                cfg.actor.temperature,
+                                                cfg.actor.top_p, tc.logits_chunk)
         mb_loss, stats = loss.policy_loss(logprobs, x["old_logprobs"], x["advantages"], x["mask"], num_sequences,
                                           is_clamp=tc.is_clamp, entropy=entropy, lags=x["lags"])
         mb_loss.backward()  # reduce-scatters each unit's gradient into its shard, accumulating over micro-batches
@@ -480,6 +484,10 @@ def send_weights(state, sender, cfg, wait=False) -> float:
         busy = torch.tensor([float(sender is not None and not sender.idle.is_set())], device=state.fsdp.device)
         if all_reduce(busy, dist.ReduceOp.MAX).item():  # sync: every rank follows rank 0's choice
             return time.time() - t0
+    if cfg.sync.verify_every and state.step % cfg.sync.verify_every == 0:
+        probe = probe_logprobs(state, cfg)  # all ranks; the actor checks its engines against it
+        if sender is not None:
+            sender.store.set(f"probe/{state.step}", json.dumps(probe))  # before the announcement
     named = ((n, t) for unit in state.fsdp.full_units(state.fsdp.dtype) for n, t in unit.items())
     if sender is not None:  # a WeightSender returns once sent, an AsyncSender once it has its copy
         sender.send(state.step, named, state.fsdp.manifest(state.fsdp.dtype))
@@ -488,6 +496,21 @@ def send_weights(state, sender, cfg, wait=False) -> float:
             pass
     state.sent = state.step
     return time.time() - t0
+
+PROBE_LEN = 16  # tokens of the weight-check probe (probe_logprobs)
+
+def probe_logprobs(state, cfg) -> dict:
+    """log π (temperature 1, no top-p) of each token of a fixed probe sequence (PROBE_LEN seeded ids) after
+    its first, under the current weights. The actor asks its engines for the same (a prompt's logprobs)
+    after loading this version: a tensor received but never in effect shows there (actor.verify_weights).
+    All ranks call it (the forward gathers units)."""
+    ids = np.random.default_rng(0).integers(0, state.model.config.vocab_size, PROBE_LEN).astype(np.int32)
+    probe = {"prompt_ids": ids[:1], "completion_ids": ids[1:], "advantage": 0.0,
+             "logprobs": np.zeros(PROBE_LEN - 1, np.float32), "versions": np.zeros(PROBE_LEN - 1, np.int32)}
+    x = collate([probe], state.step, state.fsdp.device)
+    with torch.no_grad():
+        logprobs, _ = state.fsdp.run_root(completion_forward, state.model, x, 1.0, 1.0, 0)  # [1,T-1]
+    return {"ids": ids.tolist(), "logprobs": logprobs[x["mask"]].tolist()}
 
 def weights_owed(step: int, sent: int, max_lag: int) -> bool:
     """Must the actors get newer weights before the samples of optimizer step `step` can exist?
@@ -591,6 +614,8 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
         ready = sock.poll(1000)
         waited += time.time() - t0
         if not ready:
+            if store is not None:
+                watch_actors(store, cfg, state)
             if time.time() - last > cfg.run.peer_timeout_s:
                 sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
                          f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(out)} of {n} here; "
@@ -613,18 +638,29 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
         out.append({**header, **arrays})
     return out, waited
 
+def watch_actors(store, cfg, state):
+    """Note when each actor's heartbeat (store key alive/<p>: its clock and host, rewritten every
+    run.log_every s) last changed, on this host's clock: a silence is then a duration measured here,
+    whatever the actor host's clock says (pull_samples calls it every idle second)."""
+    now = time.monotonic()
+    for p in range(cfg.actor_procs):
+        beat = store.get(f"alive/{p}").decode() if store.check([f"alive/{p}"]) else None
+        if beat is not None and state.beats.get(p, (None,))[0] != beat:
+            state.beats[p] = (beat, now)
+
 def waiting_for(store, cfg, state) -> str:
-    """For error messages: actors silent for over half of run.peer_timeout_s by their heartbeat (store key
-    alive/<p>: clock and host, set every run.log_every s), what they started and what was dropped on the way."""
+    """For error messages: actors whose heartbeat did not change for over half of run.peer_timeout_s
+    (watch_actors), what they started and what was dropped on the way."""
     if store is None:
         return "is verifier.py running?"
-    lost, now = [], time.time()
+    watch_actors(store, cfg, state)
+    lost, now = [], time.monotonic()
     for p in range(cfg.actor_procs):
-        beat = store.get(f"alive/{p}").decode().split() if store.check([f"alive/{p}"]) else None
-        if beat is None:
+        if p not in state.beats:
             lost.append(f"actor process {p} (never heard from)")
-        elif now - float(beat[0]) > cfg.run.peer_timeout_s / 2:
-            lost.append(f"actor process {p} on {beat[1]} (silent for {now - float(beat[0]):.0f} s)")
+        elif now - state.beats[p][1] > cfg.run.peer_timeout_s / 2:
+            beat, seen = state.beats[p]
+            lost.append(f"actor process {p} on {beat.split()[-1]} (silent for {now - seen:.0f} s)")
     started = sum(int(store.add(f"started/{p}", 0)) for p in range(cfg.actor_procs))
     dropped = sum(int(store.add(f"dropped/{p}", 0)) for p in range(cfg.actor_procs))
     return ((f"lost {', '.join(lost)}: its node is down or unreachable, or actor.py died there; " if lost else "")
@@ -679,6 +715,7 @@ def main():
     addr = common.zmq_addr(cfg.ports.host, cfg.ports.samples)
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
+    common.limit_message_size(sock)
     sock.connect(addr)
     share = cfg.trainer.batch_size // world()
     t_start = t_prev = time.time()

@@ -131,6 +131,7 @@ class AsyncSender:
 
     def __init__(self, sender: WeightSender):
         self.sender, self.copy, self.error = sender, {}, None
+        self.store = sender.store
         self.idle = threading.Event()
         self.idle.set()
         # CUDA: the thread's work gets a stream of its own. A new thread's current stream is the device's

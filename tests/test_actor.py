@@ -26,7 +26,6 @@ import common
 import weights_sync as ws
 
 torch.set_num_threads(1)
-os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # vLLM sends a test's collective_rpc(fn(worker)) by pickle
 PROMPTS = ["12+34=\n", "7+8=\n", "305+96=\n", "1+1=\n"]
 
 
@@ -81,11 +80,28 @@ def make_cfg(tmp, model_dir, store_port, rollouts_port, *overrides):
         f"model.path={model_dir}", f"run.dir={tmp}", f"sync.port={store_port}", "sync.timeout_s=60",
         f"ports.rollouts={rollouts_port}", "run.peer_timeout_s=60", "run.log_every=0.5",
         "actor.max_inflight=32", "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "actor.eval_every=0",
-        "trainer.batch_size=8", "actor.group_size=4", *overrides])
+        "trainer.batch_size=8", "actor.group_size=4", "sync.verify_every=0", *overrides])
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def insecure_serialization():
+    """Tests read worker state with collective_rpc(fn(worker)): vLLM pickles fn only if both sides
+    allow it, the engine core from its start (it caches its environment) and this process at every
+    call (an engine that allows it tags every utility result, which this process must then decode).
+    So it is set for this module's engine only and removed when the module ends: another module's
+    run.sh never sees it, nor (role_env) this module's own actor.py processes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        yield
+
+
+def role_env():
+    """This process's environment for a role subprocess, without the test engine's pickle switch."""
+    return {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_INSECURE_SERIALIZATION"}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, insecure_serialization):
     from scripts.make_tiny_model import make_tokenizer, random_model_dir
     tmp = tmp_path_factory.mktemp("actor")
     model_dir = random_model_dir(tmp / "model", seed=0)
@@ -187,6 +203,80 @@ def test_switch_in_flight(env, recompute_kv):
     print(f"recompute_kv={recompute_kv}: switch at {sorted(switch_at)}, pause {pause_s * 1e3:.0f} ms")
 
 
+def token_logprobs(logits, targets):
+    """logits [N, V], targets [N] -> log_softmax(logits) at the targets [N] (temperature 1)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_recompute_kv_decides_which_weights_made_the_kv(env, tmp_path, recompute_kv):
+    """Two random models A and B, whose next-token distributions depend on the KV of earlier
+    tokens. Four sequences start under A and are updated to B in flight after ~16 of 48 tokens. A
+    token sampled after the switch (versions == B) must have the logprob, within 1e-4 (fp32 both
+    sides, as in test_behaviour_logprobs_match_hf), of
+    - actor.recompute_kv=true: B's full forward over the whole sequence (the engine dropped the
+      running KV at the pause and recomputed it under B at resume);
+    - false: the mixed-KV computation: KV of the prompt and of the first k-1 completion tokens from
+      A, the rest from B (token k-1 was sampled under A; the first step under B computes its KV).
+    The two differ by ~0.1-0.6 nats a token here: each case also fails the other's check."""
+    from transformers import Qwen2ForCausalLM
+    from vllm import SamplingParams
+    from scripts.make_tiny_model import random_model_dir
+    engine, n_tokens = env["engine"], 48
+    dir_b = random_model_dir(tmp_path / "model-b", seed=1)
+    v_a = load(env, env["sd"])
+    params = SamplingParams(temperature=1.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
+
+    async def scenario():
+        await engine.pause_generation(mode="keep", clear_cache=False)  # all four start in one step
+        reqs = [asyncio.create_task(actor.generate(engine, p, params, f"kv{recompute_kv}-{i}"))
+                for i, p in enumerate(PROMPTS)]
+        await asyncio.sleep(0.5)
+        await engine.resume_generation()
+        async for out in engine.generate(PROMPTS[0], params, request_id=f"kv-watch{recompute_kv}"):
+            if len(out.outputs[0].token_ids) >= 16:
+                break
+        th, v_b = env["trainer"].send_async(state_dict(dir_b))
+        await actor.update_weights([engine], v_b, recompute_kv, 60)
+        th.join()
+        return await asyncio.gather(*reqs), v_b
+
+    outs, v_b = env["loop"].run_until_complete(scenario())
+    model_a = Qwen2ForCausalLM.from_pretrained(env["model_dir"], dtype=torch.float32).eval()
+    model_b = Qwen2ForCausalLM.from_pretrained(dir_b, dtype=torch.float32).eval()
+    before, vs_full, vs_mixed, full_vs_mixed = [], [], [], []
+    for r in outs:
+        P, T, versions = len(r["prompt_ids"]), len(r["completion_ids"]), r["versions"]
+        k = int(np.argmax(versions == v_b))  # the first token sampled by B
+        assert T == n_tokens and 0 < k < T, (T, versions)
+        assert (versions[:k] == v_a).all() and (versions[k:] == v_b).all(), versions
+        seq = np.concatenate([r["prompt_ids"], r["completion_ids"]]).astype(np.int64)
+        ids = torch.tensor(seq)[None]                                                # [1, P+T]
+        after = ids[0, P + k:]                                                       # [T-k]
+        cut = P + k - 1  # positions [0, cut) hold KV computed by A in the mixed computation
+        with torch.no_grad():
+            old = token_logprobs(model_a(ids).logits[0, P - 1:cut], ids[0, P:P + k])  # [k]
+            full = token_logprobs(model_b(ids).logits[0, cut:P + T - 1], after)      # [T-k]
+            kv_a = model_a(ids[:, :cut], use_cache=True).past_key_values
+            logits = model_b(ids[:, cut:P + T - 1], past_key_values=kv_a).logits     # [1, T-k, V]
+            mixed = token_logprobs(logits[0], after)                                 # [T-k]
+        before.append(np.abs(old.numpy() - r["logprobs"][:k]).max())
+        vs_full.append(np.abs(full.numpy() - r["logprobs"][k:]).max())
+        vs_mixed.append(np.abs(mixed.numpy() - r["logprobs"][k:]).max())
+        full_vs_mixed.append(float((full - mixed).abs().mean()))
+    assert max(before) < 1e-4, before  # tokens before the switch: A's own forward
+    # The KV matters: the checks below can tell the two computations apart.
+    assert min(full_vs_mixed) > 1e-2, full_vs_mixed
+    if recompute_kv:
+        assert max(vs_full) < 1e-4, f"not recomputed: vs full {vs_full}, vs mixed KV {vs_mixed}"
+        assert min(vs_mixed) > 1e-2, vs_mixed
+    else:
+        assert max(vs_mixed) < 1e-4, f"not the kept KV: vs mixed KV {vs_mixed}, vs full {vs_full}"
+        assert min(vs_full) > 1e-2, vs_full
+    print(f"recompute_kv={recompute_kv}: switch after {k} tokens; max |vLLM - full| "
+          f"{max(vs_full):.1e}, max |vLLM - mixed KV| {max(vs_mixed):.1e}")
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_match_hf(env, temperature):
     """vLLM's processed logprobs == HF log_softmax(logits / T) of the same weights. Tolerance 1e-4:
@@ -194,7 +284,7 @@ def test_behaviour_logprobs_match_hf(env, temperature):
     so rounding differences are ~1e-6..1e-5, far below any real mismatch (T not applied: ~0.1..1)."""
     from transformers import Qwen2ForCausalLM
     version = load(env, env["sd"])
-    cfg = make_cfg(env["tmp"], env["model_dir"], 1, 1, f"actor.temperature={temperature}", "actor.max_tokens=24")
+    cfg = make_cfg(env["tmp"], env["model_dir"], 1, 3, f"actor.temperature={temperature}", "actor.max_tokens=24")
     params = actor.sampling_params(cfg, cfg.actor.temperature)
     outs = env["loop"].run_until_complete(_gather(*(
         actor.generate(env["engine"], p, params, f"lp{temperature}-{i}") for i, p in enumerate(PROMPTS))))
@@ -256,7 +346,7 @@ def test_top_p_importance_weights_are_one_on_policy(env):
     import loss
     from transformers import Qwen2ForCausalLM
     version = load(env, env["sd"])
-    cfg = make_cfg(env["tmp"], env["model_dir"], 1, 1, "actor.top_p=0.9", "actor.max_tokens=24")
+    cfg = make_cfg(env["tmp"], env["model_dir"], 1, 3, "actor.top_p=0.9", "actor.max_tokens=24")
     params = actor.sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
     outs = env["loop"].run_until_complete(_gather(*(
         actor.generate(env["engine"], p, params, f"topp-{i}") for i, p in enumerate(PROMPTS))))
@@ -661,7 +751,8 @@ def test_admission_budgets_hand_worked():
 def test_peer_timeout_names_trainer(tmp_path):
     port = free_port()
     p = subprocess.run([sys.executable, str(REPO / "actor.py"), f"sync.port={port}", "run.peer_timeout_s=2",
-                        f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+                        f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=120,
+                       env=role_env())
     assert p.returncode != 0
     assert f"127.0.0.1:{port}" in p.stderr, p.stderr[-2000:]
 
@@ -681,8 +772,10 @@ def actor_process(env, tmp_path, cursor, *overrides):
         proc = subprocess.Popen([sys.executable, str(REPO / "actor.py"), f"model.path={env['model_dir']}",
                                  f"run.dir={tmp_path}", f"sync.port={store.port}", f"ports.rollouts={rollouts}",
                                  "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "trainer.batch_size=8",
-                                 "actor.group_size=4", "actor.max_lag=0", "actor.max_tokens=16", *overrides],
-                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+                                 "actor.group_size=4", "actor.max_lag=0", "actor.max_tokens=16",
+                                 "sync.verify_every=0", *overrides],  # the fake trainer sets no probe
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=role_env())
         try:
             yield store, pull, proc
         finally:  # still running: a failed test. The whole group: vLLM's engine cores outlive a killed actor.py
@@ -719,6 +812,8 @@ def test_actor_process_end_to_end(env, tmp_path):
         time.sleep(1.0)  # a metrics line
         children = psutil.Process(proc.pid).children(recursive=True)
         titles = [" ".join(c.cmdline()) for c in children]
+        # The test engine's pickle switch (insecure_serialization) stays out of the role's processes
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in psutil.Process(proc.pid).environ()
         # vLLM's engine core, with the model inside it on CPU: no worker process beside it (actor.start_engines)
         assert any("EngineCore" in t for t in titles) and not any("Worker" in t for t in titles), titles
         proc.send_signal(signal.SIGTERM)
@@ -805,3 +900,40 @@ def test_update_waits_for_the_pause_not_for_a_drain(env):
         assert (versions[:k] == v_a).all() and (versions[k:] == v_b).all(), (k, versions)
     assert (outs[-1]["versions"] == v_b).any()  # the long one crossed the update
 
+
+def test_a_tensor_that_does_not_take_effect_is_caught(env):
+    """actor.verify_weights: after an update each engine's logprobs of the trainer's probe sequence must
+    match trainer.probe_logprobs for that version. A worker whose loader skips one received tensor (as vLLM's
+    CPU build once left a tied lm_head at its old values) keeps generating; the check stops it, naming the
+    version."""
+    import trainer
+    from transformers import Qwen2ForCausalLM
+    cfg, sd = env["cfg"], env["sd"]
+
+    def probe(weights):
+        model = Qwen2ForCausalLM.from_pretrained(env["model_dir"], dtype=torch.float32)
+        model.load_state_dict(weights, strict=False)  # a tied head follows the embedding
+        return trainer.probe_logprobs(trainer.build_state(cfg, torch.device("cpu"), model=model), cfg)
+
+    version = load(env, sd)
+    same = env["loop"].run_until_complete(actor.verify_weights([env["engine"]], version, probe(sd), 1e-3))
+    assert same < 1e-4  # the engine computes what the trainer computes
+    changed = {k: v.clone() for k, v in sd.items()}
+    changed["model.norm.weight"] *= 1.5
+
+    def skip_norm(wrapper):  # this worker's loader drops the final norm of every update from now on
+        worker = wrapper.worker  # collective_rpc hands a callable vLLM's WorkerWrapperBase
+        load_weights = type(worker).reload_weights.__get__(worker)
+        worker.reload_weights = lambda weights_iterator, **kw: load_weights(
+            weights_iterator=((n, t) for n, t in weights_iterator if n != "model.norm.weight"), **kw)
+
+    env["loop"].run_until_complete(env["engine"].collective_rpc(skip_norm))
+    try:
+        version = load(env, changed)
+        with pytest.raises(RuntimeError, match=f"version {version} did not take effect in engine 0"):
+            env["loop"].run_until_complete(actor.verify_weights([env["engine"]], version, probe(changed), 1e-3))
+    finally:
+        env["loop"].run_until_complete(env["engine"].collective_rpc(lambda w: delattr(w.worker, "reload_weights")))
+    version = load(env, changed)  # the loader restored: the same check passes
+    assert env["loop"].run_until_complete(
+        actor.verify_weights([env["engine"]], version, probe(changed), 1e-3)) < 1e-4

@@ -11,6 +11,7 @@ relative, and Adam divides by sqrt(v), so an element whose gradient nearly cance
 fraction of lr; measured max 1.1e-6. A real bug (a dropped micro-batch, a wrong normalizer, clipping or
 decay on the wrong elements) moves parameters by ~lr = 1e-3, 100x the tolerance.
 """
+import functools
 import json
 import math
 import os
@@ -223,17 +224,31 @@ def test_bf16_reduce_scatter_is_within_two_roundings(tmp_path):
         assert not torch.equal(out["bfloat16"], out["float32"])
 
 
+def _count_call(calls, i, *hook_args):
+    calls[i] += 1
+
+
 def test_micro_batch_and_activation_checkpointing_invariance(tmp_path):
     """Many small micro-batches == one big one == with activation checkpointing; world 1, in-process.
-    Tolerance 1e-6: only the summation order of the micro-batch gradients differs (measured ~1e-8)."""
+    Tolerance 1e-6: only the summation order of the micro-batch gradients differs (measured ~1e-8).
+    Checkpointing is really on: each block's MLP is entered twice per micro-batch (forward, then
+    backward's recomputation), and once without it. Counted by forward pre-hooks: the recomputation
+    stops (raises) once it has remade the last saved tensor, inside the MLP, before a post-hook."""
     batches = [make_batch(12, v, seed=v) for v in range(2)]
-    runs = {}
+    runs, mlp_calls = {}, {}
     for name, kw in {"small": {"trainer.micro_batch_tokens": 16}, "large": {"trainer.micro_batch_tokens": 4096},
                      "ac": {"trainer.micro_batch_tokens": 16, "trainer.activation_checkpointing": "true"}}.items():
         cfg = make_cfg(tmp_path, **kw)
         state = trainer.build_state(cfg, CPU, model=tiny_model())
+        calls = mlp_calls[name] = [0] * len(state.model.model.layers)
+        for i, layer in enumerate(state.model.model.layers):
+            layer.mlp.register_forward_pre_hook(functools.partial(_count_call, calls, i))
         runs[name] = ([trainer.train_step(state, b, cfg)["micro_batches"] for b in batches], full_params(state))
     assert runs["small"][0][0] > 4 and runs["large"][0][0] == 1
+    assert runs["ac"][0] == runs["small"][0]  # the same micro-batches
+    micro_batches = sum(runs["small"][0])
+    assert set(mlp_calls["small"]) == {micro_batches}, mlp_calls  # each block once a micro-batch
+    assert set(mlp_calls["ac"]) == {2 * micro_batches}, mlp_calls  # and again in backward
     for name in ("large", "ac"):
         for k, p in runs["small"][1].items():
             torch.testing.assert_close(runs[name][1][k], p, atol=1e-6, rtol=0, msg=f"{name}: {k}")
@@ -661,6 +676,25 @@ def test_waiting_for_names_started_and_dropped(tmp_path):
     state = trainer.TrainState(model=None, fsdp=None, step=3)
     msg = trainer.waiting_for(store, make_cfg(tmp_path, batch_size=8), state)
     assert "started 40 samples, 8 were dropped" in msg and "32 can reach the trainer, which consumed 24" in msg
+
+
+def test_silent_actor_is_judged_by_this_hosts_clock(tmp_path):
+    """An actor's heartbeat carries its host's clock, which may be skewed: silence is measured here, from
+    when the heartbeat last changed. An hour-behind clock that keeps beating is alive; a dead actor whose
+    clock was ahead is silent."""
+    import weights_sync as ws
+    store = ws.create_store("127.0.0.1", 0, True, 10)
+    cfg = make_cfg(tmp_path, batch_size=8, **{"run.peer_timeout_s": 2.0})
+    state = trainer.TrainState(model=None, fsdp=None, step=3)
+    store.set("alive/0", f"{time.time() - 3600:.1f} behind")  # alive, clock an hour behind
+    trainer.watch_actors(store, cfg, state)
+    time.sleep(1.5)
+    store.set("alive/0", f"{time.time() - 3600:.1f} behind")  # it beats again
+    assert "silent" not in trainer.waiting_for(store, cfg, state)
+    store.set("alive/0", f"{time.time() + 3600:.1f} ahead")  # its last beat, then it dies
+    trainer.watch_actors(store, cfg, state)
+    time.sleep(1.5)
+    assert "actor process 0 on ahead (silent for" in trainer.waiting_for(store, cfg, state)
 
 
 def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
