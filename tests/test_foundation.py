@@ -3,6 +3,7 @@
 Run: bash run.sh test tests/test_foundation.py
 """
 import json
+import re
 import subprocess
 import sys
 import time
@@ -106,6 +107,8 @@ def test_run_info_and_metrics(tmp_path):
     common.setup_logging(cfg, "actor")  # every role's start-up: the record (write_run_info), then its metrics file
     info = json.loads((tmp_path / "run_info_actor.json").read_text())
     assert info["versions"]["torch"] and info["git_commit"]
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode == 0:
+        assert re.fullmatch(r"[0-9a-f]{40}", info["git_commit"]), info["git_commit"]  # "unknown"?
     assert common.load_config([], path=tmp_path / "config.yaml") == cfg  # resolved config reloads
     common.log("actor", {"tokens_per_s": 12.5, "lag_max": 3}, step=7)
     rec = read_jsonl(tmp_path / "metrics_actor.jsonl")[-1]
@@ -184,6 +187,9 @@ def test_wire_malformed_raises_wire_error_only():
         "-inf logprob": common.encode(h, {**a, "logprobs": np.array([-1, -np.inf, -1, -1, -1], np.float32)}),
         "NaN header float": common.encode({**h, "t_end": float("nan")}, a),  # JSON encodes it as NaN
         "eval not a bool": common.encode({**h, "eval": 1}, a),
+        # the trainer merges arrays into the header: an extra array would replace its advantage
+        "array outside the schema": common.encode(h, {**a, "advantage": np.zeros(1, np.float32)}),
+        "id over int32": common.encode({**h, "group_id": 2**31}, a),
     }
     for name, frames in cases.items():
         with pytest.raises(WireError):
@@ -225,7 +231,8 @@ def test_arithmetic_splits_disjoint_answers_correct_lengths_spread():
             assert sum(map(int, lhs.split("+"))) == int(rhs)
     lengths = [len(p.target) for p in train_items]
     assert max(lengths) >= 4 * min(lengths)
-    assert train.get(17) == train.get(17)  # addressable by cursor (resume)
+    fresh, _ = tasks.load_tasks(cfg)  # addressable by cursor (resume): a new stream, from 17 on
+    assert [fresh.get(i) for i in (17, 2999, 5)] == [train_items[i] for i in (17, 2999, 5)]
     other, _ = tasks.load_tasks(common.load_config(["run.seed=1"]))
     assert [other.get(i) for i in range(20)] != train_items[:20]
 
