@@ -19,6 +19,7 @@ import glob
 import itertools
 import json
 import os
+import socket
 import threading
 import time
 
@@ -34,8 +35,20 @@ class ManifestError(ValueError):
 # --- group set-up ---------------------------------------------------------------------------------
 
 def create_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """No world size: any number of actor workers may connect (the trainer does not know them all)."""
-    return dist.TCPStore(host, port, None, is_master, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    """No world size: any number of actor workers may connect (the trainer does not know them all).
+    The master listens on `host` only (127.0.0.1 on a single node; node 0's address on several): a
+    TCPStore left to itself listens on every interface, and nothing authenticates its peers."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(1024)
+    port = listener.getsockname()[1]  # port 0: the OS picked one
+    # the store takes over the socket's file descriptor (detach: Python must not close it)
+    return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout_s: float = 300.0):
     """A process group outside both programs' default worlds (DESIGN.md "Two programs, one gloo group")."""

@@ -165,3 +165,16 @@ def test_sender_checks_iterator_against_manifest():
     with pytest.raises(ws.ManifestError, match="more tensors"):
         sender.send(9, iter(tensors + tensors[:1]), _manifest(tensors))
 
+
+
+def test_store_listens_on_its_host_only():
+    """The trainer's TCPStore (nothing authenticates its peers) listens on sync.host alone: 127.0.0.1 on
+    a single node, not every interface."""
+    import psutil
+    store = ws.create_store("127.0.0.1", 0, True, 10)
+    listening = {c.laddr.ip for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port}
+    assert listening == {"127.0.0.1"}, listening
+    client = ws.create_store("127.0.0.1", store.port, False, 10)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
