@@ -167,12 +167,40 @@ def check_node(cfg, roles, visible: list):
                           f"has none; set actor.tp=1 (on CPU each engine is one process)")
 
 
+# The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes).
+MIN_DRIVER = {11: 450, 12: 525, 13: 580}
+
+
+def check_driver(driver: str, cuda: str):
+    """vLLM 0.32's torch 2.13 wheels are built for CUDA 13: an older driver fails at the first CUDA call
+    inside a role, long after start-up. `driver`: nvidia-smi's version; `cuda`: torch.version.cuda."""
+    need = MIN_DRIVER.get(int(cuda.split(".")[0]))
+    if need is not None and int(driver.split(".")[0]) < need:
+        raise ConfigError(f"this node's NVIDIA driver {driver} is too old for torch built with CUDA {cuda}: "
+                          f"it needs driver >= {need}; update the driver, or install a torch (and vLLM) "
+                          f"built for an older CUDA")
+
+
+def installed_driver_and_cuda():
+    """(nvidia-smi's driver version, the CUDA version torch was built with), or None where unknown."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        import torch
+    except (OSError, subprocess.SubprocessError, ImportError):
+        return None
+    return (out[0], torch.version.cuda) if out and torch.version.cuda else None
+
+
 def check(cfg, roles=None, visible=None) -> dict:
-    """What can fail before a process starts beyond the config itself: this node (`check_node`), the
-    model, and this node's device sets (returned; see `device_sets`)."""
+    """What can fail before a process starts beyond the config itself: this node (`check_node`), its
+    GPU driver, the model, and this node's device sets (returned; see `device_sets`)."""
     roles = node_roles(cfg) if roles is None else roles
+    detected = visible is None
     visible = visible_gpus() if visible is None else visible
     check_node(cfg, roles, visible)
+    if detected and visible and (found := installed_driver_and_cuda()):
+        check_driver(*found)
     check_model(cfg)
     return device_sets(cfg, roles, visible)
 

@@ -276,3 +276,12 @@ def test_setup_checks_imports_once_per_state_of_the_venv(tmp_path):
     with open(tmp_path / "requirements-common.txt", "a") as f:
         f.write("\n# changed\n")
     assert checks_after_setup() == 3
+
+
+def test_driver_too_old_for_the_cuda_build_fails_naming_the_version():
+    from common import ConfigError
+    launch.check_driver("580.65.06", "13.0")
+    launch.check_driver("550.54.15", "12.8")
+    with pytest.raises(ConfigError, match="driver 550.54.15 is too old for torch built with CUDA 13.0: "
+                                          "it needs driver >= 580"):
+        launch.check_driver("550.54.15", "13.0")
