@@ -1,7 +1,7 @@
 """How long an in-flight weight update stops generation, against what it must cost (wire + load), for the
-actor's update path (actor.update_weights: pause, receive+load, label, resume sent back to back) and for
-the sequential path it replaced (AsyncLLM.pause_generation, then each call awaited in turn), side by side
-in one run on one engine.
+actor's update path (actor.update_weights: the pause awaited, then receive+load, label, resume back to back) and
+the sequential path it replaced (AsyncLLM.pause_generation, then each call awaited in turn), and the
+actor's path followed by its weight check (actor.verify_weights), side by side in one run on one engine.
 
 Run: .venv/bin/python bench/bench_stall.py [--model tiny|30m] [--requests 32] [--tokens 200] [--every 4]
                                            [--recompute-kv]      (~1-2 min for tiny, ~4 min for 30m, 2 cores)
@@ -48,6 +48,30 @@ async def sequential_update(engines, version, recompute_kv, timeout_s):
     await asyncio.gather(*(e.update_weight_version(str(version)) for e in engines))
     await asyncio.gather(*(e.resume_generation() for e in engines))
     return [s for per_engine in got for s in per_engine], time.perf_counter() - t0
+
+
+def verified(probe):
+    """The actor's update path followed by its check that the engine computes what the trainer sent
+    (actor.verify_weights, sync.verify_every=1): the probe request rides along with the decode steps."""
+    async def update(engines, version, recompute_kv, timeout_s):
+        stats, wall = await actor.update_weights(engines, version, recompute_kv, timeout_s)
+        t0 = time.perf_counter()
+        await actor.verify_weights(engines, version, probe, 1e-3)
+        return stats, wall + time.perf_counter() - t0
+    return update
+
+
+def trainer_probe(model_dir, cfg, reps=20):
+    """trainer.probe_logprobs on these weights (one rank, in this process) -> (probe, seconds per call)."""
+    import trainer
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = trainer.build_state(cfg, torch.device("cpu"), model=model)
+    probe = trainer.probe_logprobs(state, cfg)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        trainer.probe_logprobs(state, cfg)
+    return probe, (time.perf_counter() - t0) / reps
 
 
 async def generate_all(engine, params, n, tag, on_step=None, every=1):
@@ -98,8 +122,10 @@ async def run(args, model_dir, tmp):
     await generate_all(engine, params, 4, "warmup")
     tokens0, wall0, gaps, _ = await generate_all(engine, params, args.requests, "plain")
     step = float(np.median(gaps))
-    out = {"decode step": step, "tokens/s without updates": tokens0 / wall0}
+    probe, probe_s = trainer_probe(model_dir, cfg)
+    out = {"decode step": step, "tokens/s without updates": tokens0 / wall0, "trainer probe s": probe_s}
     for name, path in (("pipelined (actor.update_weights)", actor.update_weights),
+                       ("pipelined + verified", verified(probe)),
                        ("sequential (pause_generation)", sequential_update)):
         tokens, wall, _, across = await generate_all(engine, params, args.requests, name[:4], updater(path, name),
                                                      args.every)
@@ -127,7 +153,8 @@ def main():
     print(f"\n== {args.model}: {args.requests} requests x {args.tokens} tokens, an update every {args.every} "
           f"tokens, recompute_kv={args.recompute_kv}")
     print(f"  decode step (no updates)  {out['decode step'] * 1e3:7.1f} ms;  {out['tokens/s without updates']:.0f} tokens/s")
-    for name in ("pipelined (actor.update_weights)", "sequential (pause_generation)"):
+    print(f"  trainer side of the check (trainer.probe_logprobs, one rank): {out['trainer probe s'] * 1e3:.1f} ms")
+    for name in ("pipelined (actor.update_weights)", "pipelined + verified", "sequential (pause_generation)"):
         rows, stall, tps = out[name]
         wall, wire, load = rows[:, 0], rows[:, 1], rows[:, 2]
         print(f"  {name}: {len(rows)} updates, medians: stall {ms(stall):.1f} ms (update call {ms(wall):.1f}), "

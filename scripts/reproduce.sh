@@ -2,8 +2,14 @@
 # Reproduce the paper's comparison (arXiv 2509.19128, Figs. 3, 5, 6, 7) at small scale on the embedded
 # default (tiny model, arithmetic task), on the same 2 CPU cores for every setting, then plot it.
 #
-#   bash scripts/reproduce.sh [--quick] [--dry-run] [--force] [--run-s S] [--steps N] [--seeds "0 1"]
-#                             [--root RUNS_DIR] [--out FIGURES_DIR]
+#   bash scripts/reproduce.sh [--task longtail] [--quick] [--dry-run] [--force] [--run-s S] [--steps N]
+#                             [--seeds "0 1"] [--root RUNS_DIR] [--out FIGURES_DIR]
+#
+# --task longtail: the same comparison on the long-tailed task (configs/longtail.yaml: a few completions
+# many times longer than most, the workload the paper is about), with conventional RL tuned over
+# G_steps 2, 4, 8, 16 x actor.max_inflight 64, 256 and the whole RL step's batch at once (B*G_steps);
+# runs under runs/repro-longtail, figures in docs/figures/longtail, 900 s a run by default (~4.5 h in all:
+# finished runs are kept, so the matrix can be built over several sittings).
 #
 # The matrix (same trainer.batch_size B and trainer.lr, same seeds, one run at a time):
 #   pipeline-H256              PipelineRL at the default (actor.max_inflight=256): engine on core 0, trainer core 1
@@ -30,9 +36,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"; [[ -x "$PY" ]] || PY=python3
 
-QUICK=0; DRY=0; FORCE=0; RUN_S=""; STEPS=""; SEEDS=""; OUT=""; ROOT=""
+QUICK=0; DRY=0; FORCE=0; RUN_S=""; STEPS=""; SEEDS=""; OUT=""; ROOT=""; TASK=arithmetic
 while (( $# )); do
   case $1 in
+    --task) TASK=$2; shift ;;
     --quick) QUICK=1 ;;
     --dry-run) DRY=1 ;;
     --force) FORCE=1 ;;
@@ -41,7 +48,7 @@ while (( $# )); do
     --seeds) SEEDS=$2; shift ;;
     --out) OUT=$2; shift ;;
     --root) ROOT=$2; shift ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "reproduce.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -50,7 +57,24 @@ done
 B=128; LR=1.0e-4   # the paper's B and lr are 1024 and 1e-6 on Qwen2.5-7B; these are the tiny model's (DESIGN.md)
 COMMON=("trainer.batch_size=$B" "trainer.lr=$LR" "trainer.checkpoint_every=0")
 CONV=("configs/conventional.yaml" "actor.cpu_cores=0-1" "trainer.cpu_cores=0-1")
-if (( QUICK )); then
+TASK_ARGS=()  # first on every command line: a setting's own overrides win over the task's overlay
+if [[ "$TASK" == longtail ]]; then
+  ROOT="${ROOT:-runs/repro-longtail}"; FIG="${OUT:-docs/figures/longtail}"
+  RUN_S="${RUN_S:-900}"; STEPS="${STEPS:-3000}"; SEEDS="${SEEDS:-0 1 2}"
+  TASK_ARGS=("configs/longtail.yaml")
+  COMMON+=("actor.eval_every=16")
+  PIPE="pipeline-default|"
+  TUNE=()
+  for G in 2 4 8 16; do
+    HS=(64 256)
+    (( B * G > 256 )) && HS+=($((B * G)))  # the whole RL step's batch at once (G=2: that is 256)
+    for H in "${HS[@]}"; do
+      TUNE+=("conventional-G$G-H$H|${CONV[*]} actor.G_steps=$G actor.max_lag=$((G - 1)) actor.max_inflight=$H")
+    done
+  done
+elif [[ "$TASK" != arithmetic ]]; then
+  echo "reproduce.sh: --task arithmetic|longtail, not $TASK" >&2; exit 2
+elif (( QUICK )); then
   ROOT="${ROOT:-runs/repro-quick}"; FIG="${OUT:-$ROOT/figures}"
   RUN_S="${RUN_S:-90}"; STEPS="${STEPS:-1000}"; SEEDS="${SEEDS:-0}"
   COMMON+=("actor.eval_every=4" "data.test_size=100")   # a few evaluations within ~50 s of training
@@ -73,7 +97,7 @@ command_for() {  # name|overrides|seed -> the run.sh arguments, one per line
   IFS='|' read -r name overrides seed <<< "$1"
   local args=()
   read -r -a args <<< "$overrides"
-  printf '%s\n' "${args[@]}" "${COMMON[@]}" "run.seed=$seed" "trainer.max_steps=$STEPS" "run.dir=$ROOT/$name-s$seed"
+  printf '%s\n' "${TASK_ARGS[@]}" "${args[@]}" "${COMMON[@]}" "run.seed=$seed" "trainer.max_steps=$STEPS" "run.dir=$ROOT/$name-s$seed"
 }
 
 if (( DRY )); then
@@ -83,7 +107,7 @@ if (( DRY )); then
     echo "bash run.sh ${args[*]}"
   done
   for seed in "${SEED_LIST[@]:1}"; do
-    echo "# pass 2, seed $seed: pipeline-H256 and the best conventional setting of pass 1"
+    echo "# pass 2, seed $seed: ${PIPE%%|*} and the best conventional setting of pass 1"
     mapfile -t args < <(command_for "$PIPE|$seed")
     echo "bash run.sh ${args[*]}"
   done
