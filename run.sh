@@ -98,9 +98,15 @@ OVERRIDES+=("${GPU_OVERRIDES[@]}" "run.dir=$RUN_DIR")
 mkdir -p "$RUN_DIR/logs"
 
 # --- the embedded model: built once, cached ------------------------------------------------------
-if [[ "$MODEL_PATH" == "assets/tiny-model" && ! -f assets/tiny-model/COMPLETE ]]; then
-  echo "[run.sh] building the embedded tiny model (once, ~3 min)..."
-  "$PY" scripts/make_tiny_model.py --out assets/tiny-model
+# One per built-in task (scripts/make_tiny_model.py): the default's, and configs/longtail.yaml's.
+case "$MODEL_PATH" in
+  assets/tiny-model)    BUILD_TASK=arithmetic; BUILD_TIME="~3 min" ;;
+  assets/tiny-longtail) BUILD_TASK=longtail;   BUILD_TIME="~11 min" ;;
+  *)                    BUILD_TASK="" ;;
+esac
+if [[ -n "$BUILD_TASK" && ! -f "$MODEL_PATH/COMPLETE" ]]; then
+  echo "[run.sh] building the tiny model $MODEL_PATH ($BUILD_TASK task; once, $BUILD_TIME)..."
+  "$PY" scripts/make_tiny_model.py --task "$BUILD_TASK" --out "$MODEL_PATH"
 fi
 
 # --- launch: one process group per role, so that stopping a role stops its children too ---------------

@@ -1,12 +1,33 @@
-"""Datasets: the built-in arithmetic task, GSM8K/MATH-style sets, prompt formatting, grading (`score`).
+"""Datasets: the built-in arithmetic and longtail tasks, GSM8K/MATH-style sets, prompt formatting,
+grading (`score`).
 
-Training problems: an endless seeded stream that never overlaps the test split. Arithmetic: `a+b` with
-1..4-digit operands, the target adding column by column, right to left, with the carry, then `#answer`:
+Training problems: an endless seeded stream that never overlaps the test split. Arithmetic: `a+b`
+with 1..4-digit operands, the target adding column by column, right to left, with the carry, then
+`#answer`:
 
     47+385=   ->   7+5=12 / 4+8+1=13 / 3+1=4 / #432
 
-so its length grows with the problem (8 characters for 3+4, ~40 for 4-digit operands with carries): the long
-tail that PipelineRL exploits (paper Sec. 3).
+so its length grows with the problem (8 characters for 3+4, ~40 for 4-digit operands with carries):
+a short tail only.
+
+Longtail (`data.task=longtail`, configs/longtail.yaml): named one-digit terms summed with a running
+total, one line per term, then `#answer`:
+
+    k=3 l=5 m=8   ->   k=3: 0+3=3 / l=5: 3+5=8 / m=8: 8+8=16 / #16
+
+PipelineRL's gain comes from the long tail of generation lengths (paper Sec. 3, App. A). Reasoning
+traces are right-skewed, most short and a few many times longer, so the number of additions is
+drawn lognormal, round(2 e^(1.25 z)) clipped to 1..25; each line is ~13 tokens, so the targets are
+p50 40 tokens, p90 ~130, longest 369 (tests/test_longtail.py). Why this form (measured on the 1M
+model, one core): with unnamed terms (`17+5+83=` -> `17+5=22 / 22+83=105`) it had learned neither
+to find the next term nor the two-digit sums after 500 steps of 32 problems (loss on those tokens
+stayed at guessing), nor, with randomly named terms, to find a term's value by its name after 1,300
+steps. Here the next name is the successor letter of the last, each line restates `name=value` as
+the prompt has it (the value is copied from after `l=`: the simplest lookup), and a line adds one
+digit to the running total: 39% greedy after 500 steps. The first name is drawn, so that even the
+one-addition problems number 2,025 (the fixed test split holds ~6% of them). A long problem is
+right only if every line is, and its total (up to 234) cannot be guessed: short problems are
+mostly right, long ones rarely. The grader is exact, as arithmetic's.
 """
 import json
 import os
@@ -17,9 +38,10 @@ import numpy as np
 
 ANSWER_MARK = "#"
 _ARITH_ANSWER = re.compile(r"#(\d+)\s*$")
-_TEST_SEED = 12345  # the arithmetic test split is fixed, whatever run.seed is
-STATUSES = ("correct", "wrong", "no_answer", "unparsable", "timeout")  # what grading says of an answer
-TASKS = ("arithmetic", "math")
+_TEST_SEED = 12345  # the procedural test splits are fixed, whatever run.seed is
+# what grading says of an answer
+STATUSES = ("correct", "wrong", "no_answer", "unparsable", "timeout")
+TASKS = ("arithmetic", "longtail", "math")
 _PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")  # 1,234.5 or 1234.5
 
@@ -28,9 +50,10 @@ class Problem:
     prompt: str  # the raw question text (format_prompt makes the model's input)
     answer: str  # the gold final answer
     task: str  # the grader: one of TASKS
-    target: str = ""  # a worked solution where one exists (arithmetic: warm-starts the tiny model)
+    # a worked solution where one exists (arithmetic, longtail: it warm-starts the tiny model)
+    target: str = ""
 
-# --- arithmetic -------------------------------------------------------------------------------------
+# --- arithmetic ----------------------------------------------------------------------------------
 
 def arithmetic_problem(a: int, b: int) -> Problem:
     """`a+b=` with its worked solution: digit-by-digit addition with carries, ending in `#a+b`."""
@@ -55,14 +78,48 @@ def _draw_operands(rng, min_digits, max_digits):
         return int(rng.integers(10 ** (d - 1) if d > 1 else 0, 10 ** d))
     return one(), one()
 
-def arithmetic_test(size, min_digits=1, max_digits=4) -> list:
+def _fixed_split(draw, size) -> list:
     """`size` distinct problems from a fixed seed, in the order first drawn."""
-    rng, operands = np.random.default_rng(_TEST_SEED), {}
-    while len(operands) < size:
-        operands.setdefault(_draw_operands(rng, min_digits, max_digits))
-    return [arithmetic_problem(*ab) for ab in operands]
+    rng, problems = np.random.default_rng(_TEST_SEED), {}
+    while len(problems) < size:
+        p = draw(rng)
+        problems.setdefault(p.prompt, p)
+    return list(problems.values())
 
-# --- GSM8K / MATH-style sets ------------------------------------------------------------------------
+def arithmetic_test(size, min_digits=1, max_digits=4) -> list:
+    def draw(rng):
+        return arithmetic_problem(*_draw_operands(rng, min_digits, max_digits))
+    return _fixed_split(draw, size)
+
+# --- longtail: a running total over named terms, their number long-tailed -----------------------
+
+# Additions per problem: round(median * exp(sigma * z)), z standard normal, clipped to [1, most]
+# (26 letters name the terms: 25 additions at most).
+_LONGTAIL_ADDITIONS = dict(median=2.0, sigma=1.25, most=25)
+
+def longtail_problem(first: str, terms) -> Problem:
+    """`k=3 l=5 m=8` -> `k=3: 0+3=3 / l=5: 3+5=8 / m=8: 8+8=16 / #16`: terms named by consecutive
+    letters from `first`, a running total with one line per term."""
+    names = [chr(ord(first) + i) for i in range(len(terms))]
+    lines, total = [], 0
+    for name, t in zip(names, terms):
+        lines.append(f"{name}={t}: {total}+{t}={total + t}")
+        total += t
+    prompt = " ".join(f"{name}={t}" for name, t in zip(names, terms)) + "\n"
+    return Problem(prompt=prompt, answer=str(total), task="longtail",
+                   target="\n".join(lines) + f"\n{ANSWER_MARK}{total}")
+
+def _draw_longtail(rng) -> Problem:
+    a = _LONGTAIL_ADDITIONS
+    n = round(a["median"] * float(np.exp(a["sigma"] * rng.standard_normal())))
+    n = min(max(n, 1), a["most"])
+    first = chr(ord("a") + int(rng.integers(0, 26 - n)))
+    return longtail_problem(first, [int(t) for t in rng.integers(1, 10, size=n + 1)])
+
+def longtail_test(size) -> list:
+    return _fixed_split(_draw_longtail, size)
+
+# --- GSM8K / MATH-style sets ---------------------------------------------------------------------
 
 def extract_boxed(text: str):
     """Content of the last \\boxed{...} with balanced braces, else None."""
@@ -75,15 +132,17 @@ def extract_boxed(text: str):
     return None
 
 def gold_answer(record: dict) -> str:
-    """GSM8K: text after '####'; MATH: last \\boxed{} of the answer/solution; else the answer as is."""
+    """GSM8K: text after '####'; MATH: last \\boxed{} of the answer/solution; else the answer as
+    is."""
     ans = str(record.get("answer", record.get("solution", "")))
     if "####" in ans:
         return ans.split("####")[-1].strip().replace(",", "")
     return extract_boxed(ans) or extract_boxed(str(record.get("solution", ""))) or ans.strip()
 
 def math_problems(source: str, split: str) -> list:
-    """Problems from a local JSONL file; else, read by `datasets`, an HF dataset (`name` or `name:config`, from
-    the hub or the local HF cache) or a local dataset folder (e.g. train.jsonl + test.jsonl: split = file name)."""
+    """Problems from a local JSONL file; else, read by `datasets`, an HF dataset (`name` or
+    `name:config`, from the hub or the local HF cache) or a local dataset folder (e.g. train.jsonl +
+    test.jsonl: split = file name)."""
     if source.endswith(".jsonl") or os.path.isfile(source):
         with open(source) as f:
             records = [json.loads(line) for line in f if line.strip()]
@@ -95,16 +154,17 @@ def math_problems(source: str, split: str) -> list:
     for r in records:
         q = r.get("problem", r.get("question"))
         if q is None or ("answer" not in r and "solution" not in r):
-            raise SystemExit(f"{source}: each record needs 'problem' or 'question', and 'answer'; got {sorted(r)}")
+            raise SystemExit(f"{source}: each record needs 'problem' or 'question', and 'answer'; "
+                             f"got {sorted(r)}")
         out.append(Problem(prompt=str(q), answer=gold_answer(r), task="math"))
     return out
 
-# --- grading -------------------------------------------------------------------------------------------
+# --- grading -------------------------------------------------------------------------------------
 
 def score(completion: str, answer: str, task: str):
-    """-> (reward, status) with the default table (correct 1.0, else 0.0). No time limit of its own: sympy
-    can run for hours on a hostile answer, so the verifier calls it through ScorePool."""
-    if task == "arithmetic":
+    """-> (reward, status) with the default table (correct 1.0, else 0.0). No time limit of its own:
+    sympy can run for hours on a hostile answer, so the verifier calls it through ScorePool."""
+    if task in ("arithmetic", "longtail"):
         pred = arithmetic_final_answer(completion)
         if pred is None:
             return 0.0, "no_answer"
@@ -112,29 +172,34 @@ def score(completion: str, answer: str, task: str):
     if task != "math":
         raise ValueError(f"unknown task {task!r}; known: {TASKS}")
     pred = extract_boxed(completion)
-    if pred is None and _PLAIN_NUMBER.fullmatch(answer.strip().replace(",", "")):  # GSM8K-style gold
+    # GSM8K-style gold: the last number of the completion
+    if pred is None and _PLAIN_NUMBER.fullmatch(answer.strip().replace(",", "")):
         numbers = _NUMBER.findall(completion)
         pred = numbers[-1].replace(",", "") if numbers else None
     if pred is None:
         return 0.0, "no_answer"
     from math_verify import parse, verify  # lazy: only scoring processes pay for sympy
-    # Both sides in the same \boxed{} wrapper, so that parse reads them alike. Timeouts off: math_verify's
-    # signal.alarm works in a main thread only (verifier.py, simplification 3).
+    # Both sides in the same \boxed{} wrapper, so that parse reads them alike. Timeouts off:
+    # math_verify's signal.alarm works in a main thread only (verifier.py, simplification 3).
     gold, parsed = (parse("\\boxed{" + s + "}", parsing_timeout=None) for s in (answer, pred))
     if not parsed:
         return 0.0, "unparsable"
     if gold and verify(gold, parsed, timeout_seconds=None):
         return 1.0, "correct"
-    # parse falls back to the raw string when sympy cannot read it: only an exact string match counts
+    # parse falls back to the raw string when sympy cannot read it: only an exact string match
+    # counts
     return (0.0, "wrong") if any(not isinstance(p, str) for p in parsed) else (0.0, "unparsable")
 
-# --- the training stream and the test split -----------------------------------------------------------
+# --- the training stream and the test split -------------------------------------------------------
 
 class TrainStream:
     """Endless seeded stream of training problems, addressed by cursor (for resume)."""
 
     def __init__(self, cfg_data, seed: int, test: list):
-        self.cfg, self.seed, self.test_keys, self.items = cfg_data, seed, {p.prompt for p in test}, None
+        self.cfg = cfg_data
+        self.seed = seed
+        self.test_keys = {p.prompt for p in test}
+        self.items = None
         if cfg_data.task == "math":
             items = math_problems(cfg_data.train_path, cfg_data.hf_split_train)
             self.items = [p for p in items if p.prompt not in self.test_keys] or items
@@ -145,24 +210,33 @@ class TrainStream:
             return self.items[np.random.default_rng([self.seed, i // n]).permutation(n)[i % n]]
         for k in range(1000):  # redraw the rare training problem that is in the test split
             rng = np.random.default_rng([self.seed, i, k])
-            p = arithmetic_problem(*_draw_operands(rng, self.cfg.min_digits, self.cfg.max_digits))
+            if self.cfg.task == "longtail":
+                p = _draw_longtail(rng)
+            else:
+                d = self.cfg
+                p = arithmetic_problem(*_draw_operands(rng, d.min_digits, d.max_digits))
             if p.prompt not in self.test_keys:
                 return p
-        raise RuntimeError("arithmetic: the test split covers the whole problem space; lower data.test_size")
+        raise RuntimeError(f"{self.cfg.task}: the test split covers the whole problem space; "
+                           "lower data.test_size")
 
 def load_tasks(cfg):
     """-> (TrainStream, test problems) for a Config."""
     d = cfg.data
     if d.task == "math":
         test = math_problems(d.test_path, d.hf_split_test)[:d.test_size] if d.test_path else []
+    elif d.task == "longtail":
+        test = longtail_test(d.test_size)
     else:
         test = arithmetic_test(d.test_size, d.min_digits, d.max_digits)
     return TrainStream(d, cfg.run.seed, test), test
 
 def format_prompt(problem: Problem, tokenizer=None, prompt_format: str = "plain") -> str:
-    """plain: the question as is (the tiny model); chat: the tokenizer's chat template + \\boxed{} ask."""
+    """plain: the question as is (the tiny models); chat: the tokenizer's chat template + a
+    \\boxed{} ask."""
     if prompt_format == "plain":
         return problem.prompt
-    content = f"{problem.prompt}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    ask = "Please reason step by step, and put your final answer within \\boxed{}."
+    content = f"{problem.prompt}\n{ask}"
     messages = [{"role": "user", "content": content}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

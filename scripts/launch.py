@@ -88,7 +88,7 @@ def check_model(cfg):
     """model.path is a model the trainer can shard and vLLM can load: config.json read, the model built on
     the meta device (no weights), vLLM's registry asked. Lazy imports: only a launch pays for them (~10 s)."""
     name, path = cfg.model.path, cfg.model_path
-    if name == "assets/tiny-model":
+    if name in ("assets/tiny-model", "assets/tiny-longtail"):  # built by run.sh on first use
         return  # the embedded Qwen2 (scripts/make_tiny_model.py), which run.sh builds after the checks
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache
@@ -272,11 +272,22 @@ def _new_records(path: Path, offset: int):
     return [r for r in records if isinstance(r, dict)], offset + end
 
 
-def progress(run_dir: str, poll_s: float = 1.0):
+def progress(run_dir: str, poll_s: float = 1.0, window_s: float = 10.0):
     """Follow the trainer's and actor's metrics; print one line per optimizer step (run.sh).
-    Reads only what was appended since the last poll."""
+    Reads only what was appended since the last poll. samples/s is since the newest step at least
+    `window_s` seconds older (one step's own rate swings tenfold). A resumed run: one line for where
+    it resumes, then only the new steps."""
     run_dir, test, t0 = Path(run_dir), "-", None
-    offsets = {"metrics_trainer.jsonl": 0, "eval.jsonl": 0}
+    old = read_jsonl(run_dir / "metrics_trainer.jsonl")  # a resumed run's earlier steps
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    if evals:
+        test = f"{evals[-1]['test_reward']:.3f} (v{evals[-1]['version']})"
+    offsets = {name: (run_dir / name).stat().st_size if (run_dir / name).exists() else 0
+               for name in ("metrics_trainer.jsonl", "eval.jsonl")}
+    steps = [r for r in old if "trainer/done" not in r]
+    if steps:
+        print(f"resuming {run_dir.name} after step {steps[-1]['step']} | test {test}", flush=True)
+    recent = []  # (time, samples_total) of the steps in the window, and of the one before it
     while True:
         recs, offsets["metrics_trainer.jsonl"] = _new_records(run_dir / "metrics_trainer.jsonl",
                                                               offsets["metrics_trainer.jsonl"])
@@ -288,9 +299,17 @@ def progress(run_dir: str, poll_s: float = 1.0):
                 continue
             t0 = t0 or r["time"] - r.get("trainer/elapsed_s", 0)
             g = lambda k, f="{:.3g}": f.format(r[k]) if k in r else "-"  # noqa: E731
+            # keep one step at least window_s old
+            while len(recent) > 1 and r["time"] - recent[1][0] >= window_s:
+                recent.pop(0)
+            rate = g("trainer/samples_per_s", "{:.1f}")
+            if recent and "trainer/samples_total" in r:
+                since, before = recent[0]
+                rate = f"{(r['trainer/samples_total'] - before) / (r['time'] - since):.1f}"
+            recent.append((r["time"], r.get("trainer/samples_total", 0)))
             print(f"step {r['step']:>4} | reward {g('trainer/reward_mean', '{:.3f}')} | test {test} | "
                   f"lag {g('trainer/lag_mean', '{:.2f}')}/{g('trainer/lag_max', '{:.0f}')} | "
-                  f"ess {g('trainer/ess', '{:.3f}')} | {g('trainer/samples_per_s', '{:.1f}')} samples/s | "
+                  f"ess {g('trainer/ess', '{:.3f}')} | {rate} samples/s ({window_s:.0f} s avg) | "
                   f"{r['time'] - t0:.0f} s", flush=True)
         time.sleep(poll_s)
 
@@ -308,6 +327,68 @@ def summary(run_dir: str) -> str:
     if steps:
         line += f" | max lag {max(r.get('trainer/lag_max', 0) for r in steps):.0f}"
     return line
+
+
+def busy_fractions(run_dir) -> tuple:
+    """-> (engine busy, trainer busy) over the run, from in-run measurements, or None each: the
+    engine's time inside decode steps / wall, measured in the engine process (actor/engine_busy, one
+    value per log line), and the trainer's time not spent waiting for samples / wall (trainer/busy
+    and trainer/wait_s per step: forward, backward, optimizer and the weights' gather and send)."""
+    actor = read_jsonl(Path(run_dir) / "metrics_actor.jsonl")
+    engine = [r["actor/engine_busy"] for r in actor if r.get("actor/engine_busy") is not None]
+    steps = [r for r in read_jsonl(Path(run_dir) / "metrics_trainer.jsonl") if "trainer/busy" in r]
+    trainer = None
+    if len(steps) >= 2:  # the first step's wall includes the wait for the first samples
+        wall = steps[-1]["time"] - steps[0]["time"]
+        trainer = 1.0 - sum(r["trainer/wait_s"] for r in steps[1:]) / max(wall, 1e-9)
+    return (sum(engine) / len(engine) if engine else None), trainer
+
+
+def bottleneck(run_dir) -> str:
+    """run.sh's line naming the side that bounds the run: the busier one (both are busy fractions of
+    the same wall time; the other side waits for it)."""
+    engine, trainer = busy_fractions(run_dir)
+    if engine is None or trainer is None:
+        return "bottleneck: unknown (no actor/engine_busy or trainer/busy in the metrics yet)"
+    if engine >= trainer:
+        line = (f"bottleneck: generation — engine busy {engine:.2f}, trainer busy {trainer:.2f}: "
+                "more generation devices (actor.gpus / actor.engines) would speed this run up, "
+                "more trainer ranks would not")
+    else:
+        line = (f"bottleneck: training — trainer busy {trainer:.2f}, engine busy {engine:.2f}: "
+                "more trainer ranks (trainer.nproc / trainer.gpus) would speed this run up, "
+                "more generation devices would not")
+    if max(engine, trainer) < 0.8:
+        line += " (neither side is saturated: see actor/admission_blocked_s and actor/pause_s_mean)"
+    return line
+
+
+def device_split(run_dir) -> str:
+    """The throughput model's fastest split of this run's devices between generation and training,
+    with its two rates measured here: samples/s of one generation device while its engine is busy
+    (U(H) at this run's H) and of one training device while it trains (1/tau); the paper's
+    r_pipe = min(U(H)*I, (N - I)/tau) (scripts/throughput_model.py; App. A). -> "" without data."""
+    from scripts.throughput_model import n_cores, r_pipeline
+    engine, trainer = busy_fractions(run_dir)
+    steps = [r for r in read_jsonl(Path(run_dir) / "metrics_trainer.jsonl") if "trainer/busy" in r]
+    if not (engine and trainer) or len(steps) < 2 or not (Path(run_dir) / "config.yaml").exists():
+        return ""
+    cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    a, t = cfg["actor"], cfg["trainer"]
+    unit = "GPUs" if a["gpus"] else "cores"
+    gen = len(a["gpus"].split(",")) if a["gpus"] else n_cores(a["cpu_cores"])
+    train = len(t["gpus"].split(",")) * t["nnodes"] if t["gpus"] else n_cores(t["cpu_cores"])
+    rate = (steps[-1]["trainer/samples_total"] - steps[0]["trainer/samples_total"]) / max(
+        steps[-1]["time"] - steps[0]["time"], 1e-9)  # samples/s, generated and trained alike
+    per_gen = rate / (engine * gen)
+    per_train = rate / (trainer * train)
+    n = gen + train
+    best = max(range(1, n), key=lambda i: r_pipeline(n, i, 0, lambda h: per_gen, 1 / per_train))
+    predicted = r_pipeline(n, best, 0, lambda h: per_gen, 1 / per_train)
+    return (f"throughput model: of these {n} {unit}, {best} generating + {n - best} training is "
+            f"predicted fastest, {predicted:.0f} samples/s (this run: {gen} + {train}, {rate:.0f} "
+            f"samples/s measured; per {unit[:-1]}: {per_gen:.0f} generated, {per_train:.0f} "
+            "trained)")
 
 
 if __name__ == "__main__":
@@ -333,6 +414,9 @@ if __name__ == "__main__":
         progress(sys.argv[2])
     elif cmd == "summary":
         print(summary(sys.argv[2]))
+        print(bottleneck(sys.argv[2]))
+        if split := device_split(sys.argv[2]):
+            print(split)
     else:
         sys.exit("usage: python scripts/launch.py check [section.key=value ...] | shell OUT "
                  "[section.key=value ...] | progress RUN_DIR | summary RUN_DIR")
