@@ -100,7 +100,8 @@ async def join_weight_group(cfg, engines, proc_index: int = 0):
     """Rank of TP rank k of engine e = 1 + (proc_index*engines + e)*tp + k; rank 0 is trainer rank 0."""
     s, a = cfg.sync, cfg.actor
     await asyncio.gather(*(eng.collective_rpc("init_weight_group", timeout=s.timeout_s, args=(
-        s.host, s.port, cfg.weight_world, 1 + (proc_index * a.engines + e) * a.tp, "auto", s.timeout_s))
+        s.host, s.port, cfg.weight_world, 1 + (proc_index * a.engines + e) * a.tp, "auto",
+        s.timeout_s, str(cfg.run_dir), cfg.run.trace))
         for e, eng in enumerate(engines)))
 
 async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float):
@@ -196,6 +197,12 @@ async def generate(engine, prompt, params, request_id: str) -> dict:
     return {"prompt_ids": np.asarray(out.prompt_token_ids, dtype=np.int32), "completion_ids": ids, "logprobs": logprobs,
             "versions": versions, "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time()}
 
+def token_lags(version: int, versions):
+    """[T] lags of a finished sample's tokens against the engine's version now: the newer of the
+    actor's `version` and the sample's last label (the engine labels a new version as it loads it,
+    before update_weights returns and the actor's own counter moves)."""
+    return max(version, int(versions.max(initial=version))) - versions
+
 # --- announcements: a thread blocks on the store, the loop is woken -----------------------------------------
 
 class Announcements:
@@ -282,6 +289,11 @@ class Actor:
         self.last_log, self.last_tick, self.blocked_at_log, self.drops_checked = time.time(), None, 0.0, 0.0
         self.updates_window, self.stalls_window = [], []  # per update: (pause, wire, load), (stall, wire + load)
         self.probe_diffs = []  # verified updates since the last log line: largest probe logprob difference
+        # per update since the last log line: the engines' busy fraction since the update before
+        self.engine_busy = []
+        self.events = common.Events(cfg.run_dir, f"actor{proc_index}", cfg.run.trace)
+        self.admission = None  # what holds admission now: "lag", "rl_step" (budgets) or "capacity"
+        self.admission_since = time.time()
 
     async def run(self, stop: asyncio.Event) -> ActorState:
         cfg, st = self.cfg, self.st
@@ -306,6 +318,8 @@ class Actor:
         for t in [x for x in (self.eval_task, self.updating) if x] + list(self.tasks):  # evaluation first: it
             t.cancel()  # would start more requests
             await asyncio.gather(t, return_exceptions=True)
+        if self.admission is not None:  # the timeline's last admission span
+            self.events.span(f"admission/{self.admission}", self.admission_since)
         self.push.close()
         return st
 
@@ -351,7 +365,12 @@ class Actor:
         cfg, st = self.cfg, self.st
         while pending and pending[0] != "done":
             version = int(pending.pop(0))
+            start = time.time()
             stats, pause_s = await update_weights(self.engines, version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
+            wire_s = max(s["wire_s"] for s in stats)
+            self.events.span("update", start, version=version, wire_s=wire_s,
+                             load_s=max(s["load_s"] for s in stats))
+            self.engine_busy.append(float(np.mean([s["busy"] for s in stats])))
             st.version, st.updates = version, st.updates + 1
             await self.verify(version)  # before the next update changes the weights again
             self.updates_window.append((pause_s, max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
@@ -378,7 +397,9 @@ class Actor:
             async with slots:
                 prompt = prompt_ids(self.tokenizer, p, self.cfg.data.prompt_format)
                 await self.sample(i % len(self.engines), p, prompt, version, i, params, evaluation=True)
+        start = time.time()
         await asyncio.gather(*(attempt(i, p) for i, p in enumerate(self.test)))
+        self.events.span("eval", start, version=version)
 
     def admit_groups(self) -> bool:
         """Start groups while there are free slots (H per engine) and the lag budget allows (`admit`).
@@ -386,6 +407,7 @@ class Actor:
         cfg, st, now, blocked, gs = self.cfg, self.st, time.time(), False, self.cfg.actor.group_size
         if cfg.actor.schedule == "conventional" and self.updating is not None and not self.updating.done():
             return False  # one policy per RL step: nothing starts while the weights change
+        held = "capacity"  # what stopped admission: no free slot, else the budget (`admit`)
         while st.inflight + gs <= cfg.actor.max_inflight * len(self.engines):
             ok = admit(cfg, st, cfg.actor_procs)
             if not ok and now - self.drops_checked > 0.05:  # budget spent: samples given back since we looked?
@@ -393,6 +415,7 @@ class Actor:
                 ok = admit(cfg, st, cfg.actor_procs)
             if not ok:
                 blocked = cfg.actor.schedule == "pipeline"
+                held = "lag" if blocked else "rl_step"
                 break
             if self.redo:
                 gid = self.redo.pop(0)
@@ -409,6 +432,11 @@ class Actor:
         self.tasks = {t for t in self.tasks if not t.done()}
         st.blocked_s += (now - (self.last_tick or now)) if blocked else 0.0
         self.last_tick = now
+        if held != self.admission:  # the timeline: one span per stretch held by the same thing
+            if self.admission is not None:
+                self.events.span(f"admission/{self.admission}", self.admission_since, end=now)
+            self.admission = held
+            self.admission_since = now
         return blocked
 
     async def sample(self, e, problem, prompt, gid, k, params, evaluation=False):
@@ -424,7 +452,8 @@ class Actor:
             w = st.window  # this log line's (the loop replaces it after each line)
             w["engine_tokens"] = w.get("engine_tokens", 0) + len(r["completion_ids"])
             if not evaluation:
-                w.setdefault("lags", []).append(st.version - r["versions"])  # [T] per training sample
+                # [T] per training sample
+                w.setdefault("lags", []).append(token_lags(st.version, r["versions"]))
                 st.pushed += 1
         except Exception as ex:  # noqa: BLE001 - the loop raises it
             st.error = ex
@@ -456,8 +485,11 @@ class Actor:
             "update_stall_s": mean(g[:, 0], None), "update_stall_wire_load_s": mean(g[:, 1], None),
             "admission_blocked_s": st.blocked_s - self.blocked_at_log, "started": st.started_total,
             "pushed": st.pushed, "dropped": st.dropped,
-            "verified": len(self.probe_diffs), "probe_diff_max": max(self.probe_diffs, default=0.0)},
+            "verified": len(self.probe_diffs), "probe_diff_max": max(self.probe_diffs, default=0.0),
+            # time inside decode steps / wall, in the engine process (scripts/launch.py: bottleneck)
+            "engine_busy": mean(np.array(self.engine_busy), None)},
             step=st.version)
+        self.engine_busy = []
         st.window, self.updates_window, self.stalls_window = {}, [], []
         self.probe_diffs = []
         self.blocked_at_log, self.last_log = st.blocked_s, now

@@ -6,6 +6,7 @@
   finite numbers too); a malformed message raises WireError: roles drop, log and count it. No pickle anywhere.
 - Metrics: `log` to stdout, <run.dir>/metrics_<role>.jsonl and, with run.wandb, W&B.
 """
+import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -406,3 +407,39 @@ def log(role: str, metrics: dict, step: int):
     summary = " ".join(f"{k.split('/', 1)[1]}={v:.4g}" if isinstance(v, float) else f"{k.split('/', 1)[1]}={v}"
                        for k, v in record.items() if not isinstance(v, (list, dict)))
     print(f"[{role}] step {step} {summary}", flush=True)
+
+# --- events: the timeline ----------------------------------------------------------------------
+
+class Events:
+    """Spans and counters of one process, for scripts/trace.py (format: docs/TRACE.md): one JSON
+    array a line in <run.dir>/events_<track>.jsonl, ["X", name, start, seconds, args] or ["C", name,
+    time, values], times from this host's time.time(). A record is a list append; the buffer is
+    written at most once a second (and at exit). Disabled (run.trace=false), nothing is recorded."""
+
+    def __init__(self, run_dir, track: str, on: bool = True):
+        self.on = on
+        self.path = Path(run_dir) / f"events_{track}.jsonl"
+        self.buf = [["M", os.uname().nodename, os.getpid()]]
+        self.written = time.time()
+        if self.on:
+            atexit.register(self.flush)
+
+    def span(self, name: str, start: float, end: float = None, **args):
+        """A span from `start` to `end` (time.time(); default now); "lane/x" names share a row."""
+        if self.on:
+            self.add(["X", name, start, (end or time.time()) - start, args])
+
+    def counter(self, name: str, t: float, **values):
+        if self.on:
+            self.add(["C", name, t, values])
+
+    def add(self, record: list):
+        self.buf.append(record)
+        if time.time() - self.written > 1.0:
+            self.flush()
+
+    def flush(self):
+        with open(self.path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in self.buf))
+        self.buf = []
+        self.written = time.time()

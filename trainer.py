@@ -324,6 +324,8 @@ class TrainState:
     # actor process -> (its heartbeat alive/<p>, time.monotonic() here when that value was first seen)
     beats: dict = field(default_factory=dict)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
+    # this rank's timeline (main sets it; run.trace): a disabled one records nothing
+    events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
 
 def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
     """Load the HF model (init_from, model.path, or a checkpoint directory) unless given; shard it; on
@@ -425,8 +427,11 @@ def train_step(state: TrainState, samples, cfg) -> dict:
         mb_loss.backward()  # reduce-scatters each unit's gradient into its shard, accumulating over micro-batches
         stats["loss"] = mb_loss.detach().to(f64)
         sums = {k: sums[k] + v if k in sums else v for k, v in stats.items()}
+    t_optimizer = time.time()
+    state.events.span("step/forward_backward", t0, end=t_optimizer)
     grad_norm = state.fsdp.clip_and_step(state.step + 1 - state.skipped, tc.lr, tc.betas, tc.eps, tc.weight_decay,
                                          tc.grad_clip)
+    state.events.span("step/optimizer", t_optimizer)
     skipped = not math.isfinite(grad_norm)
     state.skipped += skipped
     state.step += 1
@@ -495,6 +500,8 @@ def send_weights(state, sender, cfg, wait=False) -> float:
         for _ in named:  # the other ranks' part of each unit's all-gather
             pass
     state.sent = state.step
+    # gather, and broadcast (or copy it for the AsyncSender's thread: sync.async_send)
+    state.events.span("send", t0, version=state.step)
     return time.time() - t0
 
 PROBE_LEN = 16  # tokens of the weight-check probe (probe_logprobs)
@@ -688,6 +695,7 @@ def main():
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
     ckpt = latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
     state = build_state(cfg, device, ckpt)
+    state.events = common.Events(cfg.run_dir, f"trainer{rank()}", cfg.run.trace)
     tokenizer, src = None, ckpt or cfg.trainer.init_from or cfg.model_path
     if is_main():
         print(f"[trainer] {world()} rank(s) on {device}, {sum(u.numel for u in state.fsdp.units) / 1e6:.2f}M params, "
@@ -731,7 +739,9 @@ def main():
             # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL step with one
             # policy before its first optimizer step; PipelineRL (G_steps=1) steps as soon as B are here.
             steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
+            t_wait = time.time()
             pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr, state.model.config.vocab_size, store)
+            state.events.span("wait", t_wait)
             batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
         samples = batches.pop(0)
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
@@ -743,6 +753,8 @@ def main():
         now = time.time()
         metrics.update(wait_s=wait_s, broadcast_s=broadcast_s, samples_per_s=cfg.trainer.batch_size / (now - t_prev),
                        samples_total=state.samples)
+        # the time this step did not wait for samples / its wall (scripts/launch.py: bottleneck)
+        metrics["busy"] = 1.0 - wait_s / (now - t_prev)
         t_prev = now
         if is_main():
             common.log("trainer", metrics, state.step)  # every step: the figures read each one

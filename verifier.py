@@ -274,6 +274,8 @@ def main():
     rollouts_sock.bind(common.zmq_addr(host, cfg.ports.rollouts))
     samples_sock.bind(common.zmq_addr(host, cfg.ports.samples))
     pool, state, stopping = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg), []
+    events = common.Events(cfg.run_dir, "verifier", cfg.run.trace)
+    bucket = [time.time(), 0]  # the timeline's: its start, samples scored since
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
     print(f"[verifier] rollouts <- {host}:{cfg.ports.rollouts}, samples -> {host}:{cfg.ports.samples}, "
@@ -289,7 +291,8 @@ def main():
         if reading:
             receive(rollouts_sock, state, pool, tokenizer, 2 * v.workers)
         # --- score; complete groups -> advantages -> samples ---
-        for ticket, _, status, seconds in pool.collect(0):
+        scored = pool.collect(0)
+        for ticket, _, status, seconds in scored:
             key, header, arrays = state.scoring.pop(ticket)
             if key in state.open:  # else its group was dropped meanwhile
                 header.update(reward=reward_for(status, v, len(arrays["completion_ids"]), cfg.actor.max_tokens),
@@ -299,6 +302,14 @@ def main():
                 state.open[key]["scored"][header["sample_idx"]] = (header, arrays)
                 if len(state.open[key]["scored"]) == state.open[key]["size"]:
                     complete(state, key)
+        # the timeline: scores a second and groups so far, in buckets of >= 0.25 s (a span per
+        # batch would be a record per sample)
+        bucket[1] += len(scored)
+        if (wall := time.time()) - bucket[0] >= 0.25:
+            events.counter("verifier", bucket[0], scored_per_s=bucket[1] / (wall - bucket[0]),
+                           scoring=pool.busy(), groups_completed=state.counts["groups_forwarded"],
+                           groups_dropped=state.counts["dropped_groups"])
+            bucket = [wall, 0]
         # --- push samples to the trainer ---
         with contextlib.suppress(zmq.Again):  # no room after all: the rest waits for the next turn
             while state.outbox and samples_sock.poll(0, zmq.POLLOUT):

@@ -26,6 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import common
+
 VLLM_VERSION = "0.32.0"  # the vLLM whose worker API (reload_weights, collective_rpc) this was written against
 _ALIGN = 64  # byte alignment of a tensor inside a bucket (any dtype view stays aligned)
 
@@ -307,7 +309,8 @@ class WeightUpdateExtension:
     """Mixed into every vLLM worker (`worker_extension_cls="weights_sync.WeightUpdateExtension"`). Only small
     scalars go through collective_rpc (tensors as RPC arguments arrive as lists), weights over the group."""
 
-    def init_weight_group(self, host, port, world_size, rank_base, backend, timeout_s):
+    def init_weight_group(self, host, port, world_size, rank_base, backend, timeout_s, run_dir=".",
+                          trace=False):
         from vllm.distributed import get_tensor_model_parallel_rank
         rank = rank_base + get_tensor_model_parallel_rank()
         self._ws_tied_heads = tied_lm_heads(self.model_runner.get_model())
@@ -317,6 +320,10 @@ class WeightUpdateExtension:
         self._ws_pg = init_group(create_store(host, port, False, timeout_s), rank, world_size, backend, timeout_s)
         self._ws_buffers = {} if self._ws_pg.name() == "gloo" else None  # one model copy of RAM on CPU
         self._ws_stats, self._ws_last_step, self._ws_gap_from, self._ws_stall = {}, None, None, None
+        self._ws_events = common.Events(run_dir, f"engine{rank}", trace)
+        self._ws_busy = 0.0  # seconds inside decode steps since the last receive_weights
+        self._ws_since = time.perf_counter()
+        self._ws_bucket = [time.time(), 0.0, 0, 0, time.time()]  # see _ws_step
         for name in ("execute_model", "sample_tokens"):  # vLLM calls them by name: getattr(worker, name)
             setattr(self, name, self._ws_timed(getattr(self, name)))
         return rank
@@ -325,19 +332,55 @@ class WeightUpdateExtension:
         """`method` timed, for the stall an update puts on generation: the gap from the end of the last
         decode step before a receive to the start of the first one after it (reported with the next update)."""
         def timed(*args, **kwargs):
+            start = time.perf_counter()
             if self._ws_gap_from is not None:  # the first step after an update
-                self._ws_stall, self._ws_gap_from = time.perf_counter() - self._ws_gap_from, None
+                self._ws_stall, self._ws_gap_from = start - self._ws_gap_from, None
             try:
                 return method(*args, **kwargs)
             finally:
                 self._ws_last_step = time.perf_counter()
+                self._ws_busy += self._ws_last_step - start
+                if self._ws_events.on:
+                    self._ws_step(args[0] if args else None, self._ws_last_step - start)
         return timed
+
+    def _ws_step(self, scheduled, seconds: float):
+        """The timeline's engine counters: steps summed into buckets of >= 0.25 s (a few records a
+        second whatever the step rate): busy fraction, occupancy h (sequences per step) and tokens/s
+        (a step makes one token per scheduled sequence, a partial prefill chunk aside). Bucket:
+        [start, busy seconds, steps, sequences, end of the last step], on time.time()."""
+        now = time.time()
+        b = self._ws_bucket
+        # idle since the last step: its bucket ends there, zeros from then until now
+        if now - seconds - b[4] > 0.25:
+            self._ws_emit(b[4])
+            self._ws_events.counter("engine", b[4], busy=0.0, inflight=0.0, tokens_per_s=0.0)
+            b = self._ws_bucket = [now - seconds, 0.0, 0, 0, now]
+        b[1] += seconds
+        b[4] = now
+        if hasattr(scheduled, "num_scheduled_tokens"):  # execute_model's SchedulerOutput
+            b[2] += 1
+            b[3] += len(scheduled.num_scheduled_tokens)
+        if now - b[0] >= 0.25:
+            self._ws_emit(now)
+            self._ws_bucket = [now, 0.0, 0, 0, now]
+
+    def _ws_emit(self, end: float):
+        start, busy, steps, sequences, _ = self._ws_bucket
+        seconds = max(end - start, 1e-9)
+        inflight = sequences / max(steps, 1)
+        self._ws_events.counter("engine", start, busy=busy / seconds, inflight=inflight,
+                                tokens_per_s=sequences / seconds)
 
     def receive_weights(self) -> dict:
         """One update: header, manifest check (before any weight changes), buckets -> reload_weights -> {version,
         seconds, bytes, wire_s, load_s, prev_stall_s, prev_wire_load_s}: the previous update's gap between decode
         steps (None if the engine was idle: no step in the second before; or not decoding again yet), its seconds."""
         t0 = time.perf_counter()
+        start = time.time()
+        busy_fraction = self._ws_busy / max(t0 - self._ws_since, 1e-9)  # since the last update
+        self._ws_busy = 0.0
+        self._ws_since = t0
         prev, prev_stall, self._ws_stall = self._ws_stats, self._ws_stall, None
         busy = self._ws_last_step is not None and t0 - self._ws_last_step < 1.0
         self._ws_gap_from = self._ws_last_step if busy else None
@@ -352,5 +395,9 @@ class WeightUpdateExtension:
         seconds = time.perf_counter() - t0
         self._ws_stats = {"version": header["version"], "seconds": seconds, "bytes": sum(header["buckets"]),
                           "wire_s": t_header + stats["wait_s"], "load_s": seconds - t_header - stats["wait_s"],
-                          "prev_stall_s": prev_stall, "prev_wire_load_s": prev.get("seconds")}  # = its wire + load
+                          # prev_wire_load_s: the previous update's wire + load
+                          "prev_stall_s": prev_stall, "prev_wire_load_s": prev.get("seconds"),
+                          "busy": busy_fraction}
+        self._ws_events.span("receive", start, version=header["version"],
+                             wire_s=self._ws_stats["wire_s"], load_s=self._ws_stats["load_s"])
         return self._ws_stats

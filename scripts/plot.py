@@ -15,6 +15,10 @@ Writes PNGs and summary.md into --out (default: figures/ next to the first run):
   fig7_kl_vs_lag.png          KL(mu||pi) per token vs token lag, token-weighted  (Fig. 7)
   summary.md                  per setting: time and samples to a target test reward, lag, ESS, speed-up
 
+    .venv/bin/python scripts/plot.py --timeline CONVENTIONAL_RUN PIPELINE_RUN --out docs/figures
+  timeline.png                the engine's occupancy h and tokens/s, one conventional RL step
+                              next to PipelineRL (the runs' events files; run.trace=true)
+
 Runs that differ only in run.seed (and run.dir, ports) are one *setting*: drawn as the mean over seeds
 with a band from the lowest to the highest seed; the legend names the schedule, its settings and the
 number of seeds. Time zero of a run is when its trainer starts waiting for its first batch (the first
@@ -481,9 +485,55 @@ def print_best_conventional(runs, target=None, k=1):
 
 # --- main --------------------------------------------------------------------------------------------------
 
+def fig_timeline(conventional, pipeline, path):
+    """The engine's occupancy h and tokens/s over one conventional RL step (between the ends of two
+    weight updates mid-run) next to as many seconds of the PipelineRL run (mid-run), from the runs'
+    events files (common.Events: the engine's >= 0.25 s buckets), with the trainer's steps below."""
+    import matplotlib.pyplot as plt
+    from scripts.trace import read_events
+
+    def records(run, prefix):
+        files = sorted(Path(run).glob(f"events_{prefix}*.jsonl"))
+        return [r for f in files for r in read_events(f)]
+    actor = records(conventional, "actor")
+    updates = sorted(r[2] + r[3] for r in actor if r[:2] == ["X", "update"])
+    if len(updates) < 3:
+        sys.exit(f"[plot] {conventional}: fewer than 3 weight updates in its events files")
+    k = len(updates) // 2
+    start, span = updates[k - 1], updates[k] - updates[k - 1]
+    pipe_times = [r[2] for r in records(pipeline, "engine") if r[0] == "C"]
+    if not pipe_times:
+        sys.exit(f"[plot] {pipeline}: no engine counters in its events files (run.trace=false?)")
+    pipe_start = (min(pipe_times) + max(pipe_times) - span) / 2
+    fig, axes = plt.subplots(2, 1, figsize=(8, 4.5), sharex=True)
+    for ax, run, t0, label in ((axes[0], conventional, start, "Conventional RL (one RL step)"),
+                               (axes[1], pipeline, pipe_start, "PipelineRL (same span, mid-run)")):
+        engine = sorted((r[2], r[3]) for r in records(run, "engine") if r[:2] == ["C", "engine"])
+        t = np.array([x[0] for x in engine]) - t0
+        keep = (t >= -1) & (t <= span + 1)
+        h = np.array([x[1]["inflight"] for x in engine])[keep]
+        ax.step(t[keep], h, where="post", color="C0", label="sequences in flight (h)")
+        ax.set_ylabel("h", color="C0")
+        ax2 = ax.twinx()
+        tps = np.array([x[1]["tokens_per_s"] for x in engine])[keep]
+        ax2.step(t[keep], tps, where="post", color="C1", alpha=0.7, label="tokens/s")
+        ax2.set_ylabel("engine tokens/s", color="C1")
+        for r in records(run, "trainer0"):
+            if r[0] == "X" and r[1].startswith("step/"):
+                ax.axvspan(r[2] - t0, r[2] + r[3] - t0, ymin=0, ymax=0.06, color="C2", lw=0)
+        ax.set_title(label + "; green: trainer steps", fontsize=9)
+        ax.set_xlim(0, span)
+    axes[1].set_xlabel("seconds")
+    finish(fig, path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="+", help="run directories (with config.yaml and metrics_trainer.jsonl)")
+    ap.add_argument("--timeline", nargs=2, metavar=("CONVENTIONAL_RUN", "PIPELINE_RUN"),
+                    help="only draw timeline.png into --out: the engine's occupancy and tokens/s "
+                         "over one conventional RL step next to PipelineRL (run.trace=true runs)")
+    ap.add_argument("runs", nargs="*",
+                    help="run directories (with config.yaml and metrics_trainer.jsonl)")
     ap.add_argument("--out", help="output directory (default: <first run's parent>/figures)")
     ap.add_argument("--target", type=float, help=f"test reward to reach (default {DEFAULT_TARGET}, or the best "
                                                  "every run reached if lower)")
@@ -493,6 +543,14 @@ def main(argv=None):
     ap.add_argument("--best-conventional", action="store_true", help="print the run-directory name (without "
                     "-s<seed>) of the conventional setting that reached the common target first, and exit")
     args = ap.parse_args(argv)
+    if args.timeline:
+        import matplotlib
+        matplotlib.use("Agg")
+        out = Path(args.out or ".")
+        out.mkdir(parents=True, exist_ok=True)
+        return fig_timeline(*args.timeline, out / "timeline.png")
+    if not args.runs:
+        ap.error("give run directories (or --timeline CONVENTIONAL_RUN PIPELINE_RUN)")
     if args.best_conventional:
         return print_best_conventional(load_runs(args.runs), args.target, args.smooth)
     import matplotlib
