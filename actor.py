@@ -373,7 +373,7 @@ class Actor:
             self.engine_busy.append(float(np.mean([s["busy"] for s in stats])))
             st.version, st.updates = version, st.updates + 1
             await self.verify(version)  # before the next update changes the weights again
-            self.updates_window.append((pause_s, max(s["wire_s"] for s in stats), max(s["load_s"] for s in stats)))
+            self.updates_window.append((pause_s, wire_s, max(s["load_s"] for s in stats)))
             stalls = [(s["prev_stall_s"], s["prev_wire_load_s"]) for s in stats  # the previous update's
                       if s["prev_stall_s"] is not None and s["prev_wire_load_s"] is not None]
             self.stalls_window += [max(stalls)] if stalls else []

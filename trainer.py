@@ -542,6 +542,10 @@ def complete_checkpoints(root) -> list:
 def latest_checkpoint(root):
     return (complete_checkpoints(root) or [None])[-1]
 
+def untrained(state) -> list:
+    """Group ids from trained_below up to max_group_id that are not in `trained`."""
+    return [i for i in range(state.trained_below, state.max_group_id + 1) if i not in state.trained]
+
 def untrained_groups(state) -> list:
     """Group ids below max_group_id that no rank trained on: in flight (or dropped) when the checkpoint was
     taken. Groups complete out of order, and the slow ones are the long completions: a resume that went on
@@ -557,10 +561,10 @@ def untrained_groups(state) -> list:
         dist.all_gather(gathered, padded)
     else:
         gathered = [padded]
-    trained = {int(i) for t in gathered for i in t.tolist() if i >= 0}
-    missing = [i for i in range(state.trained_below, state.max_group_id + 1) if i not in trained]
+    state.trained = {int(i) for t in gathered for i in t.tolist() if i >= 0}
+    missing = untrained(state)
     state.trained_below = missing[0] if missing else state.max_group_id + 1
-    state.trained = {i for i in trained if i >= state.trained_below}
+    state.trained = {i for i in state.trained if i >= state.trained_below}
     return missing
 
 def save_checkpoint(state, cfg, tokenizer=None) -> Path:
@@ -710,8 +714,7 @@ def main():
     if is_main() and store is not None:
         # The actor's first prompts: the groups below the last trained one that were not trained on (in
         # flight when the checkpoint was taken), then the groups after it.
-        missing = range(state.trained_below, state.max_group_id + 1)
-        store.set("untrained", ",".join(str(i) for i in missing if i not in state.trained))
+        store.set("untrained", ",".join(str(i) for i in untrained(state)))
         store.set("cursor", str(state.max_group_id + 1))
         sender = weights_sync.WeightSender(store, weights_sync.init_group(store, 0, cfg.weight_world, "auto",
                                                                           cfg.sync.timeout_s), cfg.sync.bucket_mb)

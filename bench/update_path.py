@@ -12,20 +12,13 @@ Per run, over the actor's one-second log windows between the trainer's first and
 Compare runs made in one sitting only: the machine is shared.
 """
 import argparse
-import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
-
-def records(path: Path) -> list:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by a killed writer
-            pass
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.launch import read_jsonl as records  # noqa: E402  (skips a torn line)
 
 
 def figures(run_dir) -> dict:

@@ -15,16 +15,12 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.launch import read_jsonl  # noqa: E402
 
-def read_events(path: Path) -> list:
-    """The records of one events file; a torn line (a writer killed mid-line) is skipped."""
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+
+# an events file is JSONL: the project's reader, which skips a line torn by a killed writer
+read_events = read_jsonl
 
 
 def to_trace(run_dir) -> dict:

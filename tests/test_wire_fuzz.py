@@ -17,8 +17,8 @@ import zmq
 import common
 import conftest
 from common import WireError
-from test_verifier import (receive, rollout, start_verifier, stdout, stop_verifier, trainer_store,
-                           wait_metrics)
+from test_verifier import (receive, rollout, start_verifier, stdout, stop_verifier,  # noqa: F401
+                           tokenizer_dir, trainer_store, wait_metrics)  # tokenizer_dir: a fixture
 
 # Values a mutation puts where a field, an array entry or a shape entry belongs.
 ODD = [None, True, False, 0, 1, -1, 2.0, 1.5, float("nan"), float("inf"), -float("inf"), 10**30,
@@ -242,15 +242,6 @@ def test_pull_socket_refuses_frames_over_the_cap():
         assert pull.recv_multipart() == [b"small"]
     finally:
         ctx.destroy(linger=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from scripts.make_tiny_model import make_tokenizer
-    d = tmp_path_factory.mktemp("tok")
-    tok = make_tokenizer()
-    tok.save_pretrained(str(d))
-    return str(d), tok
 
 
 def test_verifier_keeps_serving_through_a_burst_of_fuzzed_rollouts(tmp_path, tokenizer_dir):
