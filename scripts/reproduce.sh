@@ -64,13 +64,12 @@ if [[ "$TASK" == longtail ]]; then
   TASK_ARGS=("configs/longtail.yaml")
   COMMON+=("actor.eval_every=16")
   PIPE="pipeline-default|"
+  # The strongest conventional candidates first (the throughput model favours a whole RL step's batch
+  # at once and G around 8), so that a matrix stopped part-way already holds them.
   TUNE=()
-  for G in 2 4 8 16; do
-    HS=(64 256)
-    (( B * G > 256 )) && HS+=($((B * G)))  # the whole RL step's batch at once (G=2: that is 256)
-    for H in "${HS[@]}"; do
-      TUNE+=("conventional-G$G-H$H|${CONV[*]} actor.G_steps=$G actor.max_lag=$((G - 1)) actor.max_inflight=$H")
-    done
+  for GH in 8:1024 4:512 16:2048 2:256 8:256 4:256 16:256 2:64 4:64 8:64 16:64; do
+    G=${GH%:*}; H=${GH#*:}   # H = B*G: the whole RL step's batch at once (G=2: that is 256)
+    TUNE+=("conventional-G$G-H$H|${CONV[*]} actor.G_steps=$G actor.max_lag=$((G - 1)) actor.max_inflight=$H")
   done
 elif [[ "$TASK" != arithmetic ]]; then
   echo "reproduce.sh: --task arithmetic|longtail, not $TASK" >&2; exit 2
