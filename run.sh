@@ -41,7 +41,8 @@ setup() {
     "$PY" -m pip install -q torch==2.13.0 >&2
     "$PY" -m pip install -q -r requirements-cpu.txt >&2
     # PyPI's torchvision/torchaudio/torchcodec are built for another torch and break `import vllm`
-    # ("operator torchvision::nms does not exist"); nothing here uses them (DESIGN.md, Known traps).
+    # ("operator torchvision::nms does not exist"); nothing here uses them
+    # (docs/DESIGN.md, "Known traps (measured)").
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
   fi
   venv_ok || { echo "[run.sh] set-up failed: '$PY -c \"import vllm\"' does not import; see the pip output above" >&2; exit 1; }
@@ -64,7 +65,7 @@ NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"; MASTER_ADDR="${MASTER_ADDR:-
 export NNODES
 OVERRIDES=("$@")
 if (( NNODES > 1 )); then
-  # --- network interface (issue 15) ---
+  # --- network interface ---
   # gloo and NCCL bind and advertise the interface named by GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, else gloo
   # takes the address of this host's name (often 127.0.0.1: the other nodes then dial their own loopback,
   # "Connection refused, remote=[127.0.0.1]"). Unless set, use the interface towards MASTER_ADDR: on node 0 the

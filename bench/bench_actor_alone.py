@@ -2,14 +2,16 @@
 prompts, admission loop, ZMQ push), but no trainer, verifier, weight updates or evaluation: a thread
 here is trainer rank 0 (it sends version 0, then nothing) and drains the rollouts. The lag budget is
 made unlimited, so the engine keeps actor.max_inflight sequences in flight as fast as it can. The
-denominator of "engine tokens/s inside a run / the same engine alone at the same h" (issue 12).
+denominator of "engine tokens/s inside a run / the same engine alone at the same h"
+(bench/run_figures.py --alone).
 
     .venv/bin/python bench/bench_actor_alone.py [--seconds 60] [--h 64] [--cores 0] [--pin] [k=v ...]
 
 Also prints the front-end's CPU time per 1k engine tokens (this process: request intake, outputs, the loop).
---pin: the actor process on --cores with its engine (as run.sh did before issue 12), else actor.start_engines'
-layout, as in a run: the engine process on --cores, the actor's front-end on the other cores. Prints the mean of
-actor/engine_tokens_per_s over the last three quarters of the run (the first quarter warms up).
+--pin: the actor process on --cores with its engine (as run.sh did before the front-end moved off the
+engine's cores), else actor.start_engines' layout, as in a run: the engine process on --cores, the actor's
+front-end on the other cores. Prints the mean of actor/engine_tokens_per_s over the last three quarters of
+the run (the first quarter warms up).
 Not a test: the number depends on the machine and on what else runs on it.
 """
 import argparse

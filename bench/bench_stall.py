@@ -40,8 +40,9 @@ PROMPTS = ["12+34=\n", "7+8=\n", "305+96=\n", "1+1=\n"]
 
 
 async def sequential_update(engines, version, recompute_kv, timeout_s):
-    """The update path before issue 12: vLLM's pause_generation (a round trip, then a 20 ms sleep), then
-    receive, label and resume, each awaited in turn."""
+    """The update path before the actor sent receive, label and resume together: vLLM's
+    pause_generation (a round trip, then a 20 ms sleep), then receive, label and resume, each awaited
+    in turn."""
     t0 = time.perf_counter()
     await asyncio.gather(*(e.pause_generation(mode="keep", clear_cache=recompute_kv) for e in engines))
     got = await asyncio.gather(*(e.collective_rpc("receive_weights", timeout=timeout_s) for e in engines))

@@ -1,4 +1,5 @@
-"""The figures issue #12 names, read off finished runs' own metrics (no re-measurement; not a test).
+"""Does the pipeline keep both halves busy? Figures read off finished runs' own metrics (no re-measurement;
+not a test).
 
     .venv/bin/python bench/run_figures.py RUN_DIR [RUN_DIR ...] [--alone TOKENS_PER_S] [--gain 0.25]
 

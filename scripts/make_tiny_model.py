@@ -15,7 +15,7 @@ Why a byte-level BPE with no merges: with `model_type: qwen2`, AutoTokenizer bui
 and ignores `tokenizer_class`, which silently breaks a plain WordLevel char tokenizer (spaces and
 newlines vanish). A byte-level BPE whose vocab is GPT-2's byte-to-unicode alphabet and whose merge
 list is empty is one token per byte, and round-trips identically in `tokenizers`, AutoTokenizer and
-vLLM (DESIGN.md, Known traps).
+vLLM (docs/DESIGN.md, "The embedded default").
 """
 import argparse
 import copy

@@ -54,7 +54,9 @@ while (( $# )); do
   shift
 done
 
-B=128; LR=1.0e-4   # the paper's B and lr are 1024 and 1e-6 on Qwen2.5-7B; these are the tiny model's (DESIGN.md)
+# the paper's B and lr are 1024 and 1e-6 on Qwen2.5-7B; these are the tiny model's
+# (docs/DESIGN.md, "The tiny model's learning rate")
+B=128; LR=1.0e-4
 COMMON=("trainer.batch_size=$B" "trainer.lr=$LR" "trainer.checkpoint_every=0")
 CONV=("configs/conventional.yaml" "actor.cpu_cores=0-1" "trainer.cpu_cores=0-1")
 TASK_ARGS=()  # first on every command line: a setting's own overrides win over the task's overlay

@@ -7,7 +7,7 @@ and applied to this project's settings with U(h) measured from our vLLM engine.
 The second form predicts samples/s of every setting that scripts/reproduce.sh runs (or of the settings of
 the RUN_DIRs given) and prints the measured samples/s from the run directories next to it.
 
-The model (PAPER.md, Appendix A). Time unit: the *flash*, the time of one token's forward pass at peak
+The model (the paper's Appendix A). Time unit: the *flash*, the time of one token's forward pass at peak
 throughput; rates r are completion tokens per flash over all N accelerators.
   U(h)     utilisation of one accelerator decoding a batch of h sequences (tokens per flash)
   tau      flashes one accelerator spends training on one token (forward + backward + update)
@@ -21,7 +21,7 @@ throughput; rates r are completion tokens per flash over all N accelerators.
 
 The case study (lengths uniform on [1, L], N = 128, B = 128): PipelineRL's best H = 192, I = 44 gives
 r_pipe = 16.9 and g_max ~ 133; conventional RL with the same max lag (G - 1 = g_max) gives 10.7: ~1.57x.
-PAPER.md states U's shape (linear to h ~ 200, then flat) but not its scale, nor tau. We take
+The paper states U's shape (linear to h ~ 200, then flat) but not its scale, nor tau. We take
 U(h) = 0.4 * min(h, 200) / 200 (so U(192) * 44 = 16.9, PipelineRL's number) and tau = 4.4 (so that
 r_conv = 10.7): two parameters fitted to two of the paper's numbers. What the check then tests: that the
 optimisation picks H = 192 and I = 44 from a grid of H in steps of 64 under the lag budget, that g_max

@@ -173,8 +173,8 @@ def eos_model_dir(out_dir, p_eos=0.3):
 def test_dropped_groups_do_not_stall_either_schedule(tmp_path, schedule):
     """verifier.drop_zero_adv_groups=true drops every group whose rewards are all equal (a third here: every
     attempt at most 4 tokens long, no penalty); the drops reach the actor's budget (store dropped/<proc>),
-    so the run gets to trainer.max_steps with every token's lag <= max_lag (issue 13: it stalled on the
-    first dropped group, or after ~max_lag*B drops). The pipeline run, whose groups carry gradient
+    so the run gets to trainer.max_steps with every token's lag <= max_lag (before drops were given back, it
+    stalled on the first dropped group, or after ~max_lag*B drops). The pipeline run, whose groups carry gradient
     (unlike test_e2e_single_node's random model: reward 0 everywhere), also has its update and
     off-policy metrics checked."""
     run_dir = tmp_path / "run"

@@ -21,8 +21,9 @@ from conftest import REPO, free_port, hf_greedy, read_jsonl, recv, send, vllm_gr
 # --- config -----------------------------------------------------------------------------------------
 
 def test_config_yaml_is_the_one_source_of_defaults():
-    """Every key's default and type come from config.yaml (issue 16): the section dataclasses have its
-    keys as fields, with no default of their own, typed by the YAML value; each key has its comment."""
+    """Every key's default and type come from config.yaml (the one place a default lives): the section
+    dataclasses have its keys as fields, with no default of their own, typed by the YAML value; each key
+    has its comment."""
     import dataclasses
     import yaml
     cfg = common.load_config()
@@ -75,7 +76,7 @@ def test_bad_config_names_the_key(override, needle):
 
 def test_several_actor_processes_need_equal_whole_group_shares(monkeypatch):
     """NNODES - trainer.nnodes actor processes each start an equal share of whole groups per version
-    (B, or B*G_steps for the conventional schedule); a remainder would overshoot every version (issue 13)."""
+    (B, or B*G_steps for the conventional schedule); a remainder would overshoot every version."""
     monkeypatch.setenv("NNODES", "3")  # 1 trainer node + 2 actor processes
     common.load_config(["trainer.batch_size=128", "actor.group_size=8"])  # 64 each: 8 groups
     with pytest.raises(ConfigError, match="trainer.batch_size=120 must split into whole groups"):

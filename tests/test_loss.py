@@ -253,7 +253,7 @@ def test_bucket_sums_add_up_to_totals():
     assert st["bucket_tokens"][5].item() == ((lags >= 9) & mask).sum().item()
 
 
-# --- (2)-(3) at completion positions, chunked (issue 14) -----------------------------------------------
+# --- (2)-(3) at completion positions, chunked (no [N,V] logits alive at once) ---------------------------
 @pytest.mark.parametrize("temperature,chunk", [(1.0, 5), (0.7, 3), (0.7, 0)])
 def test_completion_logprobs_chunked_equal_unchunked(temperature, chunk):
     """Values and gradients (hidden and lm_head weight) equal the plain full-logits computation."""

@@ -668,7 +668,8 @@ def test_dead_receiver_stops_the_trainer_with_a_clear_error(tmp_path):
 
 
 def test_waiting_for_names_started_and_dropped(tmp_path):
-    """A run that truly lacks samples says what it waits for, from the store's counters (issue 13)."""
+    """A run that truly lacks samples says what it waits for, from the store's counters (not only
+    "is verifier.py running?")."""
     import weights_sync as ws
     store = ws.create_store("127.0.0.1", 0, True, 10)
     store.add("started/0", 40)

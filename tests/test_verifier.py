@@ -370,7 +370,7 @@ def test_service_drops_zero_advantage_groups_when_asked(tmp_path, tokenizer_dir)
         assert sorted((h["group_id"], h["advantage"]) for h, _ in samples) == [(2, -0.5), (2, 0.5)]
         m = wait_metrics(run_dir, lambda r: r["verifier/groups_forwarded"] == 1)
         assert (m["verifier/zero_adv_groups"], m["verifier/dropped_groups"]) == (1, 1)
-        assert store.add("dropped/0", 0) == 2  # given back to actor 0's admission budget (issue 13)
+        assert store.add("dropped/0", 0) == 2  # given back to actor 0's admission budget: else the run stalls
     finally:
         stop_verifier(proc, ctx, run_dir)
 
