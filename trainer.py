@@ -1,27 +1,35 @@
-"""Trainer: hand-written FSDP over torchrun ranks; pulls samples, packs, steps, sends weights, checkpoints.
+"""Trainer: hand-written FSDP over torchrun ranks; pulls samples, packs, steps, sends weights,
+checkpoints.
 
-Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage), ZMQ PULL from the verifier at
-          ports.host:ports.samples; each rank pulls its B/W sequences per step (B = trainer.batch_size).
-Produces  (1) the weights after every optimizer step (every actor.G_steps, conventional) to the weight group
-          (weights_sync.py), version = optimizer steps taken; (2) <run.dir>/checkpoints/step-N (HF safetensors,
-          config, tokenizer, optim-rank{r}.pt, trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and
-          samples_trainer.jsonl (rank 0's sequences per step: group ids, per-token versions run-length coded [v, n]).
+Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage), ZMQ PULL from the verifier
+          at ports.host:ports.samples; each rank pulls its B/W sequences per step
+          (B = trainer.batch_size).
+Produces  (1) the weights after every optimizer step (every actor.G_steps, conventional) to the
+          weight group (weights_sync.py), version = optimizer steps taken;
+          (2) <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer, optim-rank{r}.pt,
+          trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and samples_trainer.jsonl
+          (rank 0's sequences per step: group ids, per-token versions run-length coded [v, n]).
 Run alone (a verifier pushes samples, the actor's vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
-`python trainer.py` without torchrun runs one rank with no process group (every collective is a no-op).
+`python trainer.py` without torchrun runs one rank with no process group (every collective is a
+no-op).
 
 Deliberate simplifications vs. the paper and its released code (DeepSpeed ZeRO-3):
- 1. FSDP units are the decoder blocks + one root (embeddings, final norm, lm_head); overlap is one unit deep
-    (trainer.prefetch) on one process group: all-gathers and reduce-scatters queue (torchtitan: separate streams).
- 2. Gradients are reduce-scattered in fp32 by default (exact sums; trainer.reduce_dtype=bfloat16 halves the bytes).
- 3. Micro-batches are right-padded rows of length-sorted samples, not one packed row with a block-diagonal
-    mask: padding wastes little after sorting; a packed row would pay O(T^2) attention.
+ 1. FSDP units are the decoder blocks + one root (embeddings, final norm, lm_head); overlap is one
+    unit deep (trainer.prefetch) on one process group: all-gathers and reduce-scatters queue
+    (torchtitan: separate streams).
+ 2. Gradients are reduce-scattered in fp32 by default (exact sums; trainer.reduce_dtype=bfloat16
+    halves the bytes).
+ 3. Micro-batches are right-padded rows of length-sorted samples, not one packed row with a
+    block-diagonal mask: padding wastes little after sorting; a packed row would pay O(T^2)
+    attention.
  4. Every rank loads the whole HF model into CPU memory once before sharding (no meta-device init).
- 5. Checkpoints assume a filesystem shared by all ranks; resuming on another number of ranks re-cuts the
-    optimizer shards and restarts the RNG streams.
+ 5. Checkpoints assume a filesystem shared by all ranks; resuming on another number of ranks re-cuts
+    the optimizer shards and restarts the RNG streams.
  6. samples_trainer.jsonl holds rank 0's share of each step only (1/W of the sequences).
  7. The asynchronous weight send (sync.async_send) keeps one full copy of the weights on rank 0.
 """
+import contextlib
 import functools
 import json
 import math
@@ -45,13 +53,15 @@ import common
 import loss
 import weights_sync
 
-# torch 2.13 marks the two collectives FSDP needs as deprecated (their successors don't exist in older torch).
+# torch 2.13 marks the two collectives FSDP needs as deprecated (their successors don't exist in
+# older torch).
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
 
 # --- distributed ----------------------------------------------------------------------------------
 
 def init_distributed(timeout_s: float = 1800.0) -> torch.device:
-    """torchrun env -> the trainer's process group (NCCL on GPU, gloo on CPU) and this rank's device."""
+    """torchrun env -> the trainer's process group (NCCL on GPU, gloo on CPU) and this rank's
+    device."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -73,50 +83,71 @@ def all_reduce(t, op=dist.ReduceOp.SUM):
         dist.all_reduce(t, op=op)
     return t
 
+def all_max(values: list, device, dtype=None) -> list:
+    """The element-wise maxima of `values` over all ranks (sync: one all-reduce)."""
+    return all_reduce(torch.tensor(values, dtype=dtype, device=device), dist.ReduceOp.MAX).tolist()
+
 def barrier():
     if world() > 1:
         dist.barrier()
 
-# --- FSDP ------------------------------------------------------------------------------------------
-# Forward: a unit's wrapped forward all-gathers its shards into a flat compute-dtype buffer (`_Gather`, `_take`),
-# points the modules' parameter attributes at views of it, runs, drops the views; saved tensors living in the buffer
-# become handles (`_pack`), so nothing keeps it alive. Backward: the first op needing the unit's weights unpacks a
-# handle, which re-gathers the unit (`_unpack`); `_Gather.backward`, run once all the unit's weights have gradients,
-# frees that copy and reduce-scatters the flat gradient (`_reduce`). Overlap (trainer.prefetch; as torchtitan/FSDP2):
-# taking a unit issues the all-gather of the next one needed, run while this one computes; a reduce-scatter is waited
-# on only when the next unit's gradient is ready. Gathered at once: the root, the unit computing, the one prefetched.
-# Collective order: all ranks build the same graph (zero-weight micro-batches too) and autograd runs ready nodes in
-# a fixed order, so all ranks issue the same collectives in the same order.
+# --- FSDP -----------------------------------------------------------------------------------------
+# Forward: a unit's wrapped forward all-gathers its shards into a flat compute-dtype buffer
+# (`_Gather`, `_take`), points the modules' parameter attributes at views of it, runs, drops the
+# views; saved tensors living in the buffer become handles (`_pack`), so nothing keeps it alive.
+# Backward: the first op needing the unit's weights unpacks a handle, which re-gathers the unit
+# (`_unpack`); `_Gather.backward`, run once all the unit's weights have gradients, frees that copy
+# and reduce-scatters the flat gradient (`_reduce`).
+# Overlap (trainer.prefetch; as torchtitan/FSDP2): taking a unit issues the all-gather of the next
+# one needed, run while this one computes; a reduce-scatter is waited on only when the next unit's
+# gradient is ready. Gathered at once: the root, the unit computing, the one prefetched.
+# Collective order: all ranks build the same graph (zero-weight micro-batches too) and autograd runs
+# ready nodes in a fixed order, so all ranks issue the same collectives in the same order.
+# The design and its measured checks: docs/DESIGN.md, "Hand-written FSDP".
 
 class Unit:
-    """One sharding unit: its parameters flattened into an fp32 vector of N elements padded to N_pad, a
-    multiple of W; this rank owns elements [rank*S, (rank+1)*S), S = N_pad/W (`shard`, the master copy)."""
+    """One sharding unit: its parameters flattened into an fp32 vector of N elements padded to
+    N_pad, a multiple of W; this rank owns elements [rank*S, (rank+1)*S), S = N_pad/W (`shard`, the
+    master copy)."""
 
     def __init__(self, entries, device, index_in_model):
         self.index = index_in_model
-        self.slots, first = [], {}  # first: id(parameter) -> (its index, the parameter, its name)
-        for name, module, attr in entries:  # a tied tensor (two slots) is stored once
+        # slots: (module, attribute, index of the parameter in `names`); first: id(parameter) ->
+        # (its index, the parameter, its name). A tied tensor (two slots) is stored once.
+        self.slots, first = [], {}
+        for name, module, attr in entries:
             p = getattr(module, attr)
             self.slots.append((module, attr, first.setdefault(id(p), (len(first), p, name))[0]))
         params, self.names = [p for _, p, _ in first.values()], [n for _, _, n in first.values()]
         self.shapes, self.numels = [p.shape for p in params], [p.numel() for p in params]
         self.numel = sum(self.numels)
         self.pad = -self.numel % world()
-        flat = torch.cat([p.detach().reshape(-1).float() for p in params] + [torch.zeros(self.pad)])  # [N_pad]
-        # AdamW decays matrices only (not norms, biases): a flat shard mixes both, hence a per-element mask.
-        decay = torch.cat([torch.full((p.numel(),), float(p.ndim >= 2)) for p in params] + [torch.zeros(self.pad)])
-        self.shard = flat.chunk(world())[rank()].clone().to(device).requires_grad_(True)  # [S] fp32 master
+        padding = [torch.zeros(self.pad)]
+        flat = torch.cat([p.detach().reshape(-1).float() for p in params] + padding)  # [N_pad]
+        # AdamW decays matrices only (not norms, biases): a flat shard mixes both, hence a
+        # per-element mask.
+        decay = torch.cat([torch.full((p.numel(),), float(p.ndim >= 2)) for p in params] + padding)
+        # [S] fp32 master
+        self.shard = flat.chunk(world())[rank()].clone().to(device).requires_grad_(True)
         self.decay = decay.chunk(world())[rank()].bool().to(device)  # [S] bool
         self.exp_avg = torch.zeros_like(self.shard)  # [S] AdamW first moment
         self.exp_avg_sq = torch.zeros_like(self.shard)  # [S] AdamW second moment
-        self.pending = None  # (work, buffer [N_pad]): an all-gather issued ahead by the prefetch, until taken
-        self.regathered = None  # the unit's weights re-gathered for backward, until _Gather.backward
-        for module, attr, _ in self.slots:  # the module's own parameters are gone: the shard is the truth
+        # (work, buffer [N_pad]): an all-gather issued ahead by the prefetch, until taken
+        self.pending = None
+        # the unit's weights re-gathered for backward, until _Gather.backward
+        self.regathered = None
+        # The module's own parameters are gone: the shard is the truth.
+        for module, attr, _ in self.slots:
             module._parameters.pop(attr, None)
             setattr(module, attr, None)
 
+    def views(self, full):
+        """The unit's flat weights [N_pad] -> a view of each parameter, in `names` order."""
+        return [t.view(s) for t, s in zip(full.split(self.numels + [self.pad]), self.shapes)]
+
 class _Gather(torch.autograd.Function):
-    """shard [S] fp32 -> the unit's flat weights [N_pad] in the compute dtype. Backward: reduce-scatter."""
+    """shard [S] fp32 -> the unit's flat weights [N_pad] in the compute dtype. Backward:
+    reduce-scatter."""
 
     @staticmethod
     def forward(ctx, shard, fsdp, unit):
@@ -125,26 +156,32 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full):  # [N_pad]
-        # Ordering: this node needs every weight's gradient, so every backward op using the weights has run.
+        # Ordering: this node needs every weight's gradient, so every backward op using the weights
+        # has run.
         ctx.unit.regathered = None
         ctx.fsdp._reduce(ctx.unit, grad_full)
-        return None, None, None  # _reduce puts the summed gradient into shard.grad once it has arrived
+        # _reduce puts the summed gradient into shard.grad once it has arrived
+        return None, None, None
 
 class FSDP:
-    """Shards an HF causal LM (decoder blocks in model.model.layers) in place; see the section comment."""
+    """Shards an HF causal LM (decoder blocks in model.model.layers) in place; see the section
+    comment."""
 
-    def __init__(self, model, device, dtype, activation_checkpointing=False, prefetch=True, reduce_dtype=torch.float32):
+    def __init__(self, model, device, dtype, activation_checkpointing=False, prefetch=True,
+                 reduce_dtype=torch.float32):
         self.device, self.dtype, self.reduce_dtype = device, dtype, reduce_dtype
         self.prefetch = prefetch and world() > 1  # one rank gathers by copying: nothing to overlap
         self.live = {}  # storage address of a gathered forward buffer -> its unit (for _pack)
-        self.live_bytes = self.peak_bytes = 0  # gathered parameter memory, counted until truly freed
+        # gathered parameter memory, counted until truly freed
+        self.live_bytes = self.peak_bytes = 0
         self.reducing = None  # (work, shard gradient [S], unit) of the reduce-scatter in flight
         layers = model.model.layers
         unit_of = {id(m): i + 1 for i, layer in enumerate(layers) for m in layer.modules()}
-        entries = [[] for _ in range(len(layers) + 1)]  # unit 0 = root (embeddings, final norm, lm_head)
+        # unit 0 = root (embeddings, final norm, lm_head), unit i = decoder block i
+        entries = [[] for _ in range(len(layers) + 1)]
         for mname, module in model.named_modules():
-            entries[unit_of.get(id(module), 0)] += [(f"{mname}.{attr}", module, attr)
-                                                    for attr, p in module._parameters.items() if p is not None]
+            attrs = [attr for attr, p in module._parameters.items() if p is not None]
+            entries[unit_of.get(id(module), 0)] += [(f"{mname}.{a}", module, a) for a in attrs]
         self.units = [Unit(e, device, i) for i, e in enumerate(entries)]
         model.to(device)  # what is left: buffers (rotary table), unsharded
         model.forward = functools.partial(self.run_root, model.forward)
@@ -152,35 +189,54 @@ class FSDP:
             self._wrap(layer, unit, ac=activation_checkpointing)
 
     def run_root(self, fn, *args, **kwargs):
-        """fn(*args, **kwargs) with the root unit gathered for the whole call (embeddings first, head last) and the
-        saved-tensor hooks installed: model(...) runs through it, as can a caller's own model.model(...) and
-        model.lm_head.weight. Not nested (one call per forward)."""
+        """fn(*args, **kwargs) with the root unit gathered for the whole call (embeddings first,
+        head last) and the saved-tensor hooks installed: model(...) runs through it, as can a
+        caller's own model.model(...) and model.lm_head.weight. Not nested (one call per
+        forward)."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self._run(self.units[0], fn, *args, **kwargs)
 
     def _run(self, unit, fn, *args, **kwargs):
-        self.gather(unit)  # before any op of the unit: the views and the `live` entry must exist
+        """fn(*args, **kwargs) with `unit` gathered: from before its first op until it returns, the
+        modules' parameter attributes are views of the gathered buffer, which `live` maps to the
+        unit (for _pack)."""
+        full = _Gather.apply(unit.shard, self, unit)  # [N_pad]
+        views = unit.views(full)
+        for module, attr, i in unit.slots:
+            setattr(module, attr, views[i])
+        self.live[full.untyped_storage().data_ptr()] = unit
+        # From here on the modules' attributes alone hold the buffer (dropping them frees it).
+        del full, views
         try:
             return fn(*args, **kwargs)
-        finally:  # also when checkpoint's recomputation stops early by raising inside `fn`
-            self.free(unit)
+        # Also when checkpoint's recomputation stops early by raising inside `fn`: drop the views
+        # and the `live` entry (after the unit's forward only handles refer to the buffer, so
+        # dropping the views frees it).
+        finally:
+            for module, attr, _ in unit.slots:
+                setattr(module, attr, None)
+            self.live = {k: u for k, u in self.live.items() if u is not unit}
 
     def _wrap(self, module, unit, ac):
         run = functools.partial(self._run, unit, module.forward)
-        # Activation checkpointing: the gather happens inside `run`, so backward's recomputation re-gathers the
-        # unit itself (checkpoint's own saved-tensor hooks replace ours in there).
-        module.forward = lambda *args, **kwargs: (checkpoint(run, *args, use_reentrant=False, **kwargs)
-                                                  if ac and torch.is_grad_enabled() else run(*args, **kwargs))
+        # Activation checkpointing: the gather happens inside `run`, so backward's recomputation
+        # re-gathers the unit itself (checkpoint's own saved-tensor hooks replace ours in there).
+        run_ac = functools.partial(checkpoint, run, use_reentrant=False) if ac else run
+        module.forward = lambda *a, **kw: (run_ac if torch.is_grad_enabled() else run)(*a, **kw)
 
     def all_gather(self, shard, dtype=None, async_op=False):
-        """shard [S] -> the full flat unit [N_pad] (a new buffer, counted in live_bytes until freed).
-        async_op: -> (work to wait on before reading the buffer, or None; buffer)."""
-        full = torch.empty(shard.numel() * world(), dtype=dtype or self.dtype, device=shard.device)  # [N_pad]
+        """shard [S] -> the full flat unit [N_pad] (a new buffer, counted in live_bytes until
+        freed). async_op: -> (work to wait on before reading the buffer, or None; buffer)."""
+        # [N_pad]
+        full = torch.empty(shard.numel() * world(), dtype=dtype or self.dtype, device=shard.device)
         work = None
-        if world() > 1:  # sync: every rank, same unit (c10d keeps the cast input alive until the work is done)
-            # The collective gets an alias of `full`: its worker thread drops a finished collective's tensors
-            # whenever it next runs (on gloo on a loaded CPU, milliseconds later), which live_bytes leaves out.
-            work = dist.all_gather_into_tensor(full.detach(), shard.detach().to(full.dtype), async_op=async_op)
+        # sync: every rank, same unit (c10d keeps the cast input alive until the work is done)
+        if world() > 1:
+            # The collective gets an alias of `full`: its worker thread drops a finished
+            # collective's tensors whenever it next runs (on gloo on a loaded CPU, milliseconds
+            # later), which live_bytes leaves out.
+            work = dist.all_gather_into_tensor(full.detach(), shard.detach().to(full.dtype),
+                                               async_op=async_op)
         else:
             full.copy_(shard.detach())
         self.live_bytes += full.nbytes
@@ -192,10 +248,12 @@ class FSDP:
         self.live_bytes -= nbytes
 
     def _next(self, unit):
-        """The unit whose weights are needed after `unit`'s: forward takes units in order (root, blocks
-        1..L); backward starts at the head (root), then L..1 (block 1's successor, the embedding, is root)."""
+        """The unit whose weights are needed after `unit`'s: forward takes units in order (root,
+        blocks 1..L); backward starts at the head (root), then L..1 (block 1's successor, the
+        embedding, is root)."""
         i, n = unit.index, len(self.units)
-        if torch._C._current_graph_task_id() < 0:  # not inside backward (checkpoint's recomputation is)
+        # not inside backward (checkpoint's recomputation is)
+        if torch._C._current_graph_task_id() < 0:
             return self.units[i + 1] if i + 1 < n else None
         return self.units[i - 1 if i else n - 1] if i != 1 and n > 1 else None
 
@@ -205,52 +263,47 @@ class FSDP:
         unit.pending = None
         nxt = self._next(unit) if self.prefetch else None
         if nxt is not None and nxt.pending is None:
-            # Sync (issue): all ranks take the same units in the same order, so this all-gather keeps their order.
+            # Sync (issued here, waited on when taken): all ranks take the same units in the same
+            # order, so this all-gather keeps their order.
             nxt.pending = self.all_gather(nxt.shard, async_op=True)
         if work is not None:
-            work.wait()  # sync: `unit`'s weights are here (on GPU the compute stream waits, the host goes on)
+            # sync: `unit`'s weights are here (on GPU the compute stream waits, the host goes on)
+            work.wait()
         return full
 
     def _reduce(self, unit, grad_full):
-        """grad_full [N_pad]: this rank's gradient of the unit -> summed over ranks into this rank's shard.grad."""
-        # Ordering: the previous unit's reduce-scatter (run during this backward) ends before the next is issued:
-        # one in flight, at most one extra unit of gradient memory.
+        """grad_full [N_pad]: this rank's gradient of the unit -> summed over ranks into this rank's
+        shard.grad."""
+        # Ordering: the previous unit's reduce-scatter (run during this backward) ends before the
+        # next is issued: one in flight, at most one extra unit of gradient memory.
         self.finish_reduce()
-        grad = grad_full.to(self.reduce_dtype if world() > 1 else torch.float32)  # [N_pad] (simplification 2)
-        work = None
-        if world() > 1:
-            shard_grad = torch.empty(grad.numel() // world(), dtype=grad.dtype, device=grad.device)  # [S]
-            # Sync: every rank's gradient of this unit is summed (c10d keeps `grad` alive until the work is done).
+        if world() == 1:
+            self.reducing = (None, grad_full.float(), unit)  # the whole gradient is the shard's
+        else:
+            grad = grad_full.to(self.reduce_dtype)  # [N_pad] (simplification 2)
+            # [S] this rank's part of the sum
+            shard_grad = torch.empty(grad.numel() // world(), dtype=grad.dtype, device=grad.device)
+            # Sync: every rank's gradient of this unit is summed (c10d keeps `grad` alive until the
+            # work is done).
             work = dist.reduce_scatter_tensor(shard_grad, grad, op=dist.ReduceOp.SUM, async_op=True)
-            grad = shard_grad
-        self.reducing = (work, grad, unit)
-        # The root's reduce-scatter is a backward's last (the embedding is forward's first op): nothing is left to
-        # overlap it with, so it completes now and every .grad is whole when backward() returns.
+            self.reducing = (work, shard_grad, unit)
+        # The root's reduce-scatter is a backward's last (the embedding is forward's first op):
+        # nothing is left to overlap it with, so it completes now and every .grad is whole when
+        # backward() returns.
         if not self.prefetch or unit.index == 0:
             self.finish_reduce()
 
     def finish_reduce(self):
-        """Wait for the reduce-scatter in flight; add its result to the unit's shard.grad (accumulated over
-        micro-batches, as autograd would: the first one is stored, the next ones added in place)."""
+        """Wait for the reduce-scatter in flight; add its result to the unit's shard.grad
+        (accumulated over micro-batches, as autograd would: the first one is stored, the next ones
+        added in place)."""
         if self.reducing is not None:
+            # take the one in flight out of its slot
             (work, shard_grad, unit), self.reducing = self.reducing, None
             if work is not None:
                 work.wait()  # sync: the summed gradient of `unit` is here
             g = shard_grad.float()  # [S]
             unit.shard.grad = g if unit.shard.grad is None else unit.shard.grad.add_(g)
-
-    def gather(self, unit):
-        full = _Gather.apply(unit.shard, self, unit)  # [N_pad]
-        pieces = full.split(unit.numels + [unit.pad])
-        for module, attr, i in unit.slots:
-            setattr(module, attr, pieces[i].view(unit.shapes[i]))
-        self.live[full.untyped_storage().data_ptr()] = unit
-
-    def free(self, unit):
-        # After the unit's forward only handles refer to the buffer, so dropping the views frees it.
-        for module, attr, _ in unit.slots:
-            setattr(module, attr, None)
-        self.live = {k: u for k, u in self.live.items() if u is not unit}
 
     def _pack(self, t):
         unit = self.live.get(t.untyped_storage().data_ptr()) if t.dtype == self.dtype else None
@@ -266,15 +319,22 @@ class FSDP:
 
     @torch.no_grad()
     def clip_and_step(self, step, lr, betas, eps, weight_decay, max_norm) -> float:
-        """Clip by the global gradient norm, then AdamW (torch's formula) on this rank's shards. -> norm."""
-        self.finish_reduce()  # sync: every reduce-scatter has landed before the norm (the root's backward waited)
-        sq = torch.stack([u.shard.grad.pow(2).sum() for u in self.units]).sum()  # this rank's Σ g²
+        """Clip by the global gradient norm, then AdamW (torch's formula) on this rank's shards.
+        -> norm."""
+        # sync: every reduce-scatter has landed before the norm (the root's backward waited)
+        self.finish_reduce()
+        # this rank's sum of squared gradients
+        sq = torch.stack([u.shard.grad.pow(2).sum() for u in self.units]).sum()
         norm = all_reduce(sq).sqrt().item()  # sync: the norm over all shards of all units
-        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0  # as torch's clip_grad_norm_
+        # as torch's clip_grad_norm_
+        coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
         b1, b2 = betas
         for u in self.units:
-            if math.isfinite(norm):  # NaN/inf passes min(1, c/(norm+eps)): apply nothing (issue 13)
-                p, g, m, v = u.shard, u.shard.grad.mul_(coef), u.exp_avg, u.exp_avg_sq  # [S] each
+            # A NaN/inf norm would pass min(1, c/(norm+eps)) and poison the weights and moments:
+            # the update is skipped (train_step counts it).
+            if math.isfinite(norm):
+                u.shard.grad.mul_(coef)  # clip
+                p, g, m, v = u.shard, u.shard.grad, u.exp_avg, u.exp_avg_sq  # [S] each
                 if weight_decay:
                     p.mul_(1 - lr * weight_decay * u.decay)  # decoupled decay, matrices only
                 m.lerp_(g, 1 - b1)
@@ -285,30 +345,34 @@ class FSDP:
         return norm
 
     def full_units(self, dtype):
-        """Yields {hf_name: full tensor} one unit at a time. Every rank must consume it: one all-gather each."""
+        """Yields {hf_name: full tensor} one unit at a time. Every rank must consume it: one
+        all-gather each."""
         for u in self.units:
-            full = self.all_gather(u.shard, dtype)  # [N_pad] (no graph: all_gather reads shard.detach())
-            yield {n: t.view(s) for n, t, s in zip(u.names, full[:u.numel].split(u.numels), u.shapes)}
+            # no graph: all_gather reads shard.detach()
+            yield dict(zip(u.names, u.views(self.all_gather(u.shard, dtype))))
 
     def manifest(self, dtype):
         return [(n, tuple(s), dtype) for u in self.units for n, s in zip(u.names, u.shapes)]
 
     def state_dict(self):
-        return {"world": world(), "units": [{"shard": u.shard.detach().cpu(), "exp_avg": u.exp_avg.cpu(),
-                                             "exp_avg_sq": u.exp_avg_sq.cpu()} for u in self.units]}
+        units = [{"shard": u.shard.detach().cpu(), "exp_avg": u.exp_avg.cpu(),
+                  "exp_avg_sq": u.exp_avg_sq.cpu()} for u in self.units]
+        return {"world": world(), "units": units}
 
     @torch.no_grad()
     def load_state_dict(self, sds):
-        """sds: the optimizer files of a checkpoint in rank order: this rank's alone when it was written by
-        as many ranks as now, else all of them, re-cut into this world's shards."""
+        """sds: the optimizer files of a checkpoint in rank order: this rank's alone when it was
+        written by as many ranks as now, else all of them, re-cut into this world's shards."""
         for i, u in enumerate(self.units):
             for k in ("shard", "exp_avg", "exp_avg_sq"):
-                x = torch.cat([sd["units"][i][k] for sd in sds])  # [S] this rank's, or [N_pad] of the old world
-                if sds[0]["world"] != world():  # re-cut: [N] without the old padding, padded for this world
+                # [S] this rank's, or [N_pad] of the old world
+                x = torch.cat([sd["units"][i][k] for sd in sds])
+                # re-cut: [N] without the old padding, padded for this world
+                if sds[0]["world"] != world():
                     x = torch.cat([x[:u.numel], torch.zeros(u.pad)]).chunk(world())[rank()]
                 getattr(u, k).copy_(x)
 
-# --- state and batches ---------------------------------------------------------------------------------
+# --- state and batches ----------------------------------------------------------------------------
 
 @dataclass
 class TrainState:
@@ -316,24 +380,27 @@ class TrainState:
     fsdp: FSDP
     step: int = 0  # optimizer steps taken = version of the current weights
     max_group_id: int = -1  # largest group_id trained on, all ranks (the actor resumes after it)
-    trained_below: int = 0  # every group id below this was trained on (all ranks; kept by checkpoints)
+    # every group id below this was trained on (all ranks; kept by checkpoints)
+    trained_below: int = 0
     trained: set = field(default_factory=set)  # ids >= trained_below this rank trained on
-    skipped: int = 0  # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
+    # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
+    skipped: int = 0
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
-    # actor process -> (its heartbeat alive/<p>, time.monotonic() here when that value was first seen)
+    # actor process -> (its heartbeat alive/<p>, time.monotonic() here when that value was first
+    # seen)
     beats: dict = field(default_factory=dict)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
     # this rank's timeline (main sets it; run.trace): a disabled one records nothing
     events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
 
 def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
-    """Load the HF model (init_from, model.path, or a checkpoint directory) unless given; shard it; on
-    resume also restore this rank's optimizer shard and the counters."""
+    """Load the HF model (init_from, model.path, or a checkpoint directory) unless given; shard it;
+    on resume also restore this rank's optimizer shard and the counters."""
     if model is None:
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(ckpt or cfg.trainer.init_from or cfg.model_path,
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            ckpt or cfg.trainer.init_from or cfg.model_path, dtype=torch.float32)
     model.config.use_cache = False
     model.train()
     tc, dtype = cfg.trainer, getattr(torch, cfg.compute_dtype(device.type == "cuda"))
@@ -348,28 +415,33 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
             torch.set_rng_state(sds[0]["rng_cpu"])
             if device.type == "cuda":
                 torch.cuda.set_rng_state(sds[0]["rng_cuda"])
-        state.step, state.max_group_id, state.samples = meta["step"], meta["max_group_id"], meta["samples"]
+        for key in ("step", "max_group_id", "samples"):  # the counters, saved under their names
+            setattr(state, key, meta[key])
         state.skipped = meta.get("skipped", 0)
-        state.trained_below = meta.get("trained_below", state.max_group_id + 1)  # older checkpoints: none
+        # older checkpoints: none
+        state.trained_below = meta.get("trained_below", state.max_group_id + 1)
         state.trained = set(meta.get("trained_above", []))
     return state
 
 def pack_micro_batches(samples, micro_batch_tokens):
-    """Length-sorted greedy packing into micro-batches with rows x longest <= micro_batch_tokens (a longer
-    sample gets a micro-batch of its own). Sorting keeps the padding of each row small (simplification 3)."""
+    """Length-sorted greedy packing into micro-batches with rows x longest <= micro_batch_tokens (a
+    longer sample gets a micro-batch of its own). Sorting keeps the padding of each row small
+    (simplification 3)."""
     batches = []
     for s in sorted(samples, key=lambda s: -(len(s["prompt_ids"]) + len(s["completion_ids"]))):
-        longest = len(batches[-1][0]["prompt_ids"]) + len(batches[-1][0]["completion_ids"]) if batches else 0
         if batches and (len(batches[-1]) + 1) * longest <= micro_batch_tokens:
             batches[-1].append(s)
         else:
             batches.append([s])
+            # the first sample of a micro-batch is its longest
+            longest = len(s["prompt_ids"]) + len(s["completion_ids"])
     return batches
 
 def collate(samples, version, device):
-    """Right-padded rows. Logits at position t predict token t+1, so completion token j of a sample with a
-    P-token prompt sits at shifted column P-1+j. No samples -> a zero-weight micro-batch (mask all false).
-    Right padding needs no attention mask: with causal attention no real token sees a pad."""
+    """Right-padded rows. Logits at position t predict token t+1, so completion token j of a
+    sample with a P-token prompt sits at shifted column P-1+j. No samples -> a zero-weight
+    micro-batch (mask all false). Right padding needs no attention mask: with causal attention no
+    real token sees a pad."""
     rows = max(len(samples), 1)
     T = max([len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples], default=2)
     input_ids = torch.zeros(rows, T, dtype=torch.long)  # [B,T]
@@ -385,147 +457,173 @@ def collate(samples, version, device):
         old_logprobs[i, cols] = torch.from_numpy(s["logprobs"].astype(np.float32))
         mask[i, cols] = True
         lags[i, cols] = version - torch.from_numpy(s["versions"].astype(np.int64))
-    return {k: v.to(device) for k, v in dict(input_ids=input_ids, targets=input_ids[:, 1:], old_logprobs=old_logprobs,
-                                             mask=mask, lags=lags, advantages=advantages).items()}
+    batch = dict(input_ids=input_ids, targets=input_ids[:, 1:], old_logprobs=old_logprobs,
+                 mask=mask, lags=lags, advantages=advantages)
+    return {k: v.to(device) for k, v in batch.items()}
 
 def completion_forward(model, x, temperature: float, top_p: float, logits_chunk: int):
-    """Under the root unit (FSDP.run_root): decoder -> final hidden states -> lm_head at completion positions
-    only -> (2) log π and (3) entropy, scattered back to [B,T-1] (zeros elsewhere; masked out by the loss)."""
-    hidden = model.model(input_ids=x["input_ids"], use_cache=False).last_hidden_state[:, :-1]  # [B,T-1,D]
+    """Under the root unit (FSDP.run_root): decoder -> final hidden states -> lm_head at completion
+    positions only -> (2) log π and (3) entropy, scattered back to [B,T-1] (zeros elsewhere; masked
+    out by the loss)."""
+    # [B,T-1,D]
+    hidden = model.model(input_ids=x["input_ids"], use_cache=False).last_hidden_state[:, :-1]
     m = x["mask"]  # [B,T-1]
-    logprobs, entropy = loss.completion_logprobs(hidden[m], model.lm_head.weight, x["targets"][m],  # [N] each
+    # [N] each
+    logprobs, entropy = loss.completion_logprobs(hidden[m], model.lm_head.weight, x["targets"][m],
                                                  temperature, top_p, logits_chunk)
     zeros = torch.zeros(m.shape, dtype=torch.float32, device=m.device)  # [B,T-1]
     return zeros.masked_scatter(m, logprobs), zeros.masked_scatter(m, entropy)
 
-# --- train step --------------------------------------------------------------------------------------------
+# --- train step -----------------------------------------------------------------------------------
 
 def train_step(state: TrainState, samples, cfg) -> dict:
-    """One optimizer step on this rank's B/W samples (a sample message's fields and arrays); all ranks call it together;
-    metrics are summed over ranks. A zero-advantage sample adds exactly 0 to (5) and its gradient, so it is not run
-    (most groups early on); the normaliser still counts every sequence: loss and gradient are the whole batch's.
-    Token diagnostics (ESS, KL, clamp fraction, entropy, by lag) thus describe the sequences carrying gradient; lags,
-    reward and counts describe all. A non-finite gradient norm skips the update (weights and moments unchanged,
-    `skipped` counted); the step still counts as a version, which is not broadcast."""
+    """One optimizer step on this rank's B/W samples (a sample message's fields and arrays); all
+    ranks call it together; metrics are summed over ranks. A zero-advantage sample adds exactly 0 to
+    (5) and its gradient, so it is not run (most groups early on); the normaliser still counts every
+    sequence: loss and gradient are the whole batch's. Token diagnostics (ESS, KL, clamp fraction,
+    entropy, by lag) thus describe the sequences carrying gradient; lags, reward and counts describe
+    all. A non-finite gradient norm skips the update (weights and moments unchanged, `skipped`
+    counted); the step still counts as a version, which is not broadcast."""
     t0 = time.time()
-    tc, device, f64 = cfg.trainer, state.fsdp.device, torch.float64
+    tc, actor, device = cfg.trainer, cfg.actor, state.fsdp.device
     version = state.step  # the policy being trained; this step produces version + 1
-    num_sequences = tc.batch_size  # loss normalizer: sequences in this optimizer step, all micro-batches, all ranks
     trained = [s for s in samples if float(s["advantage"]) != 0.0]
     batches = pack_micro_batches(trained, tc.micro_batch_tokens)
-    # Sync: every micro-batch is a fixed sequence of collectives, so all ranks run as many as the busiest one (at
-    # least one: every shard gets a gradient), the others adding zero-weight ones (mask all false: zero gradient).
-    n_mb = max(1, int(all_reduce(torch.tensor([len(batches)], device=device), dist.ReduceOp.MAX).item()))
+    # Sync: every micro-batch is a fixed sequence of collectives, so all ranks run as many as the
+    # busiest one (at least one: every shard gets a gradient), the others adding zero-weight ones
+    # (mask all false: zero gradient).
+    n_mb = max(1, all_max([len(batches)], device)[0])
     sums = {}
     for mb in batches + [[]] * (n_mb - len(batches)):
         x = collate(mb, version, device)
         logprobs, entropy = state.fsdp.run_root(completion_forward, state.model, x,  # [B,T-1] each
-                                                cfg.actor.temperature,
-                                                cfg.actor.top_p, tc.logits_chunk)
-        mb_loss, stats = loss.policy_loss(logprobs, x["old_logprobs"], x["advantages"], x["mask"], num_sequences,
-                                          is_clamp=tc.is_clamp, entropy=entropy, lags=x["lags"])
-        mb_loss.backward()  # reduce-scatters each unit's gradient into its shard, accumulating over micro-batches
-        stats["loss"] = mb_loss.detach().to(f64)
+                                                actor.temperature, actor.top_p, tc.logits_chunk)
+        # loss normalizer (tc.batch_size): sequences in this optimizer step, all micro-batches,
+        # all ranks
+        mb_loss, stats = loss.policy_loss(logprobs, x["old_logprobs"], x["advantages"], x["mask"],
+                                          tc.batch_size, tc.is_clamp, entropy, x["lags"])
+        # reduce-scatters each unit's gradient into its shard, accumulating over micro-batches
+        mb_loss.backward()
+        stats["loss"] = mb_loss.detach().to(torch.float64)
         sums = {k: sums[k] + v if k in sums else v for k, v in stats.items()}
     t_optimizer = time.time()
     state.events.span("step/forward_backward", t0, end=t_optimizer)
-    grad_norm = state.fsdp.clip_and_step(state.step + 1 - state.skipped, tc.lr, tc.betas, tc.eps, tc.weight_decay,
-                                         tc.grad_clip)
+    grad_norm = state.fsdp.clip_and_step(state.step + 1 - state.skipped, tc.lr, tc.betas, tc.eps,
+                                         tc.weight_decay, tc.grad_clip)
     state.events.span("step/optimizer", t_optimizer)
     skipped = not math.isfinite(grad_norm)
     state.skipped += skipped
     state.step += 1
     train_s = time.time() - t0
 
-    P = 8  # paper Fig. 3a: token lags (version - versions[t]) by completion position, 0..max_tokens-1 in P buckets
-    lags = [version - s["versions"].astype(np.int64) for s in samples]  # per sample [C]
-    pos = [np.minimum(np.arange(len(lag)) * P // cfg.actor.max_tokens, P - 1) for lag in lags]  # per sample [C]
-    lags, pos = (np.concatenate(x + [np.zeros(0, np.int64)]) for x in (lags, pos))  # [N_tok] each
-    host = {"sequences": len(samples), "trained_sequences": len(trained),
-            "reward_sum": sum(float(s["reward"]) for s in samples),
-            "all_tokens": sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
-            "malformed": state.malformed, "lag_sum": lags.sum(), "lag_tokens": len(lags),
-            "pos_lag_sum": np.bincount(pos, weights=lags, minlength=P), "pos_tokens": np.bincount(pos, minlength=P)}
-    # Sync: one all-reduce for every summed statistic (keys sorted: the same order on every rank), one for the maxima.
-    sums = {k: torch.as_tensor(v, dtype=f64, device=device) for k, v in sorted({**sums, **host}.items())}
-    parts = all_reduce(torch.cat([v.reshape(-1) for v in sums.values()])).split([v.numel() for v in sums.values()])
-    s = {k: t.tolist() if v.dim() else t.item() for (k, v), t in zip(sums.items(), parts)}
-    max_group = max([int(x["group_id"]) for x in samples], default=-1)
-    hi = all_reduce(torch.tensor([lags.max(initial=-10**9), -lags.min(initial=10**9), max_group], dtype=f64,
-                                 device=device), dist.ReduceOp.MAX).tolist()
-    state.max_group_id = max(state.max_group_id, int(hi[2]))
-    state.trained.update(int(x["group_id"]) for x in samples)
-    state.samples += int(s["sequences"])
+    # Paper Fig. 3a: token lags (version - versions[t]) by completion position, 0..max_tokens-1 in
+    # P buckets.
+    P = 8
+    lag_rows = [version - s["versions"].astype(np.int64) for s in samples]  # per sample [C]
+    pos_rows = [np.minimum(np.arange(len(r)) * P // actor.max_tokens, P - 1) for r in lag_rows]
+    # [N_tok] each
+    lags, pos = (np.concatenate(rows + [np.zeros(0, np.int64)]) for rows in (lag_rows, pos_rows))
+    # this rank's sums over all its samples (trained or not), computed on the host
+    host = dict(sequences=len(samples), trained_sequences=len(trained),
+                reward_sum=sum(float(s["reward"]) for s in samples), malformed=state.malformed,
+                all_tokens=sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
+                lag_sum=lags.sum(), lag_tokens=len(lags), pos_tokens=np.bincount(pos, minlength=P),
+                pos_lag_sum=np.bincount(pos, weights=lags, minlength=P))
+    # Sync: one all-reduce for every summed statistic (keys sorted: the same order on every rank),
+    # one for the maxima (a minimum is the maximum of its negation).
+    local = sorted({**sums, **host}.items())
+    flat = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(-1) for _, v in local]
+    parts = all_reduce(torch.cat(flat)).split([t.numel() for t in flat])
+    totals = {k: p.tolist() if np.ndim(v) else p.item() for (k, v), p in zip(local, parts)}
+    last_group = max([int(s["group_id"]) for s in samples], default=-1)
+    lag_max, neg_lag_min, max_group = all_max(
+        [lags.max(initial=-10**9), -lags.min(initial=10**9), last_group], device, torch.float64)
+    state.max_group_id = max(state.max_group_id, int(max_group))
+    state.trained.update(int(s["group_id"]) for s in samples)
+    state.samples += int(totals["sequences"])
+    return step_metrics(totals, grad_norm, -neg_lag_min, lag_max, train_s, n_mb, state, skipped)
 
+def step_metrics(s, grad_norm, lag_min, lag_max, train_s, n_mb, state, skipped) -> dict:
+    """train_step's metrics. s: the step's statistics summed over micro-batches and ranks
+    (loss.policy_loss's and the samples'); lag_min, lag_max: the extremes over all ranks' tokens
+    (reported as 0 when there are no tokens)."""
     tok = max(s["tokens"], 1.0)
     metrics = {"loss": s["loss"], "grad_norm": grad_norm,
                "ess": loss.ess(s["ratio_sum"], s["ratio_sq_sum"], s["tokens"]),  # paper eq. 6
-               "clamp_frac": s["clamped_tokens"] / tok, "kl": s["kl_sum"] / tok, "entropy": s["entropy_sum"] / tok,
-               "lag_min": -hi[1] if s["lag_tokens"] else 0.0, "lag_mean": s["lag_sum"] / max(s["lag_tokens"], 1.0),
-               "lag_max": hi[0] if s["lag_tokens"] else 0.0, "reward_mean": s["reward_sum"] / max(s["sequences"], 1),
-               "tokens": s["tokens"], "tokens_per_s": s["all_tokens"] / train_s, "train_s": train_s,
-               "micro_batches": n_mb, "malformed": s["malformed"], "trained_sequences": s["trained_sequences"],
+               "clamp_frac": s["clamped_tokens"] / tok, "kl": s["kl_sum"] / tok,
+               "entropy": s["entropy_sum"] / tok, "lag_min": lag_min if s["lag_tokens"] else 0.0,
+               "lag_mean": s["lag_sum"] / max(s["lag_tokens"], 1.0),
+               "lag_max": lag_max if s["lag_tokens"] else 0.0,
+               "reward_mean": s["reward_sum"] / max(s["sequences"], 1), "tokens": s["tokens"],
+               "tokens_per_s": s["all_tokens"] / train_s, "train_s": train_s, "micro_batches": n_mb,
+               "malformed": s["malformed"], "trained_sequences": s["trained_sequences"],
                "skipped_steps": state.skipped, "step_skipped": int(skipped)}
-    for i, label in enumerate(loss.LAG_BUCKET_LABELS):  # paper Fig. 7: off-policyness by lag
-        if n := s["bucket_tokens"][i]:  # an absent bucket had no tokens
-            metrics.update({f"tokens_lag_{label}": n, f"kl_lag_{label}": s["bucket_kl_sum"][i] / n,
-                            f"ess_lag_{label}": loss.ess(s["bucket_ratio_sum"][i], s["bucket_ratio_sq_sum"][i], n),
-                            f"clamp_lag_{label}": s["bucket_clamped"][i] / n})
-    # paper Fig. 3a: mean lag by completion position (bucket p covers positions [p, p+1) * max_tokens / P)
-    metrics["lag_by_position"] = [round(ls / n, 3) if n else None for ls, n in zip(s["pos_lag_sum"], s["pos_tokens"])]
-    return metrics
+    # Paper Fig. 7: off-policyness by lag (an absent bucket had no tokens).
+    for i, label in enumerate(loss.LAG_BUCKET_LABELS):
+        if n := s["bucket_tokens"][i]:
+            ess = loss.ess(s["bucket_ratio_sum"][i], s["bucket_ratio_sq_sum"][i], n)
+            metrics |= {f"tokens_lag_{label}": n, f"kl_lag_{label}": s["bucket_kl_sum"][i] / n,
+                        f"ess_lag_{label}": ess, f"clamp_lag_{label}": s["bucket_clamped"][i] / n}
+    # Paper Fig. 3a: mean lag by completion position (bucket p covers positions
+    # [p, p+1) * max_tokens / P).
+    return {**metrics, "lag_by_position": [round(total / n, 3) if n else None
+                                           for total, n in zip(s["pos_lag_sum"], s["pos_tokens"])]}
 
-# --- weights and checkpoints ----------------------------------------------------------------------------------
+# --- weights and checkpoints ----------------------------------------------------------------------
 
 def send_weights(state, sender, cfg, wait=False) -> float:
-    """The current weights to the actors (-> seconds on the loop's path): all ranks gather each unit; rank 0 broadcasts
-    it, or (sync.async_send) copies it for its AsyncSender thread to broadcast during the next step. A busy thread skips
-    this version (only the newest travel) unless `wait`: the conventional actor idles for it; version 0 must arrive.
-    Sets state.sent, the newest version sent (the same on every rank)."""
+    """The current weights to the actors (-> seconds on the loop's path): all ranks gather each
+    unit; rank 0 broadcasts it, or (sync.async_send) copies it for its AsyncSender thread to
+    broadcast during the next step. A busy thread skips this version (only the newest travel) unless
+    `wait`: the conventional actor idles for it; version 0 must arrive. Sets state.sent, the newest
+    version sent (the same on every rank)."""
     t0 = time.time()
     if cfg.sync.async_send and cfg.weight_world > 1:
         if sender is not None and wait:
             sender.idle.wait()
-        busy = torch.tensor([float(sender is not None and not sender.idle.is_set())], device=state.fsdp.device)
-        if all_reduce(busy, dist.ReduceOp.MAX).item():  # sync: every rank follows rank 0's choice
+        busy = float(sender is not None and not sender.idle.is_set())
+        if all_max([busy], state.fsdp.device)[0]:  # sync: every rank follows rank 0's choice
             return time.time() - t0
     if cfg.sync.verify_every and state.step % cfg.sync.verify_every == 0:
         probe = probe_logprobs(state, cfg)  # all ranks; the actor checks its engines against it
         if sender is not None:
             sender.store.set(f"probe/{state.step}", json.dumps(probe))  # before the announcement
     named = ((n, t) for unit in state.fsdp.full_units(state.fsdp.dtype) for n, t in unit.items())
-    if sender is not None:  # a WeightSender returns once sent, an AsyncSender once it has its copy
+    # a WeightSender returns once sent, an AsyncSender once it has its copy
+    if sender is not None:
         sender.send(state.step, named, state.fsdp.manifest(state.fsdp.dtype))
     else:
         for _ in named:  # the other ranks' part of each unit's all-gather
             pass
     state.sent = state.step
-    # gather, and broadcast (or copy it for the AsyncSender's thread: sync.async_send)
+    # the span: gather, and broadcast (or copy it for the AsyncSender's thread: sync.async_send)
     state.events.span("send", t0, version=state.step)
     return time.time() - t0
 
 PROBE_LEN = 16  # tokens of the weight-check probe (probe_logprobs)
 
 def probe_logprobs(state, cfg) -> dict:
-    """log π (temperature 1, no top-p) of each token of a fixed probe sequence (PROBE_LEN seeded ids) after
-    its first, under the current weights. The actor asks its engines for the same (a prompt's logprobs)
-    after loading this version: a tensor received but never in effect shows there (actor.verify_weights).
-    All ranks call it (the forward gathers units)."""
-    ids = np.random.default_rng(0).integers(0, state.model.config.vocab_size, PROBE_LEN).astype(np.int32)
+    """log π (temperature 1, no top-p) of each token of a fixed probe sequence (PROBE_LEN seeded
+    ids) after its first, under the current weights. The actor asks its engines for the same (a
+    prompt's logprobs) after loading this version: a tensor received but never in effect shows there
+    (actor.verify_weights). All ranks call it (the forward gathers units)."""
+    ids = np.random.default_rng(0).integers(0, state.model.config.vocab_size, PROBE_LEN)
     probe = {"prompt_ids": ids[:1], "completion_ids": ids[1:], "advantage": 0.0,
-             "logprobs": np.zeros(PROBE_LEN - 1, np.float32), "versions": np.zeros(PROBE_LEN - 1, np.int32)}
+             "logprobs": np.zeros(PROBE_LEN - 1, np.float32), "versions": np.zeros_like(ids[1:])}
     x = collate([probe], state.step, state.fsdp.device)
     with torch.no_grad():
-        logprobs, _ = state.fsdp.run_root(completion_forward, state.model, x, 1.0, 1.0, 0)  # [1,T-1]
+        # [1,T-1]
+        logprobs, _ = state.fsdp.run_root(completion_forward, state.model, x, 1.0, 1.0, 0)
     return {"ids": ids.tolist(), "logprobs": logprobs[x["mask"]].tolist()}
 
 def weights_owed(step: int, sent: int, max_lag: int) -> bool:
     """Must the actors get newer weights before the samples of optimizer step `step` can exist?
 
-    The actor starts samples for at most max_lag versions past the newest weights it holds (actor.admit):
-    with version `sent`, the samples of steps up to sent + max_lag. A step not broadcast (a non-finite
-    gradient skipped it, or the sender was still busy) does not move that bound, so after max_lag + 1 of
-    them the trainer would wait for samples the actor may not start (with max_lag=0: after one)."""
+    The actor starts samples for at most max_lag versions past the newest weights it holds
+    (actor.admit): with version `sent`, the samples of steps up to sent + max_lag. A step not
+    broadcast (a non-finite gradient skipped it, or the sender was still busy) does not move that
+    bound, so after max_lag + 1 of them the trainer would wait for samples the actor may not start
+    (with max_lag=0: after one)."""
     return step > sent + max_lag
 
 def _fsync(path):  # files and directories alike
@@ -534,10 +632,10 @@ def _fsync(path):  # files and directories alike
     os.close(fd)
 
 def complete_checkpoints(root) -> list:
-    """`step-N` directories holding their COMPLETE marker, oldest first; `.tmp-*` and unmarked ones (a killed
-    writer) are not checkpoints."""
-    done = [d for d in Path(root).glob("step-*") if d.name[5:].isdigit() and (d / "COMPLETE").is_file()]
-    return sorted(done, key=lambda d: int(d.name[5:]))
+    """`step-N` directories holding their COMPLETE marker, oldest first; `.tmp-*` and unmarked ones
+    (a killed writer) are not checkpoints."""
+    steps = (d for d in Path(root).glob("step-*") if d.name[5:].isdigit())
+    return sorted((d for d in steps if (d / "COMPLETE").is_file()), key=lambda d: int(d.name[5:]))
 
 def latest_checkpoint(root):
     return (complete_checkpoints(root) or [None])[-1]
@@ -547,20 +645,20 @@ def untrained(state) -> list:
     return [i for i in range(state.trained_below, state.max_group_id + 1) if i not in state.trained]
 
 def untrained_groups(state) -> list:
-    """Group ids below max_group_id that no rank trained on: in flight (or dropped) when the checkpoint was
-    taken. Groups complete out of order, and the slow ones are the long completions: a resume that went on
-    after max_group_id alone would skip them for good. Also prunes `trained` to the ids above the first one.
-    All ranks call it (sync: one all-reduce and one all-gather)."""
+    """Group ids below max_group_id that no rank trained on: in flight (or dropped) when the
+    checkpoint was taken. Groups complete out of order, and the slow ones are the long
+    completions: a resume that went on after max_group_id alone would skip them for good. Also
+    prunes `trained` to the ids above the first one. All ranks call it (sync: one all-reduce and
+    one all-gather)."""
     device = state.fsdp.device
-    mine = torch.tensor(sorted(state.trained), dtype=torch.int64, device=device)  # [n] this rank's ids
-    n = int(all_reduce(torch.tensor([len(mine)], device=device), dist.ReduceOp.MAX).item())
-    padded = torch.full((n,), -1, dtype=torch.int64, device=device)  # [n] every rank sends as many
-    padded[:len(mine)] = mine
-    gathered = [torch.empty_like(padded) for _ in range(world())]
+    mine = sorted(state.trained)  # this rank's ids
+    n = all_max([len(mine)], device)[0]
+    # [n] this rank's ids padded with -1: every rank sends as many
+    padded = torch.tensor(mine + [-1] * (n - len(mine)), dtype=torch.int64, device=device)
+    gathered = [padded]
     if world() > 1:
+        gathered = [torch.empty_like(padded) for _ in range(world())]
         dist.all_gather(gathered, padded)
-    else:
-        gathered = [padded]
     state.trained = {int(i) for t in gathered for i in t.tolist() if i >= 0}
     missing = untrained(state)
     state.trained_below = missing[0] if missing else state.max_group_id + 1
@@ -568,7 +666,8 @@ def untrained_groups(state) -> list:
     return missing
 
 def save_checkpoint(state, cfg, tokenizer=None) -> Path:
-    """Atomic: everything goes into .tmp-step-N; COMPLETE is written last, then the directory is renamed."""
+    """Atomic: everything goes into .tmp-step-N; COMPLETE is written last, then the directory is
+    renamed."""
     from safetensors.torch import save_file
     untrained_groups(state)  # all ranks: trained_below and trained, for the actor's resume
     root = cfg.run_dir / "checkpoints"
@@ -579,14 +678,17 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
     barrier()  # sync: the directory exists before any rank writes into it
     optim = tmp / f"optim-rank{rank()}.pt"
     rng = {"rng_cuda": torch.cuda.get_rng_state()} if state.fsdp.device.type == "cuda" else {}
-    torch.save({**state.fsdp.state_dict(), "rng_cpu": torch.get_rng_state(), **rng, "step": state.step}, optim)
+    torch.save({**state.fsdp.state_dict(), "rng_cpu": torch.get_rng_state(), **rng,
+                "step": state.step}, optim)
     _fsync(optim)
-    # The model: HF sharded safetensors, one file per unit, gathered one unit at a time (all ranks join).
+    # The model: HF sharded safetensors, one file per unit, gathered one unit at a time (all ranks
+    # join).
     weight_map, total = {}, 0
     for i, tensors in enumerate(state.fsdp.full_units(torch.float32)):
         if is_main():
             fname = f"model-{i + 1:05d}-of-{len(state.fsdp.units):05d}.safetensors"
-            save_file({n: t.detach().cpu().clone() for n, t in tensors.items()}, tmp / fname, metadata={"format": "pt"})
+            save_file({n: t.detach().cpu().clone() for n, t in tensors.items()}, tmp / fname,
+                      metadata={"format": "pt"})
             weight_map.update({n: fname for n in tensors})
             total += sum(t.nbytes for t in tensors.values())
     if is_main():
@@ -598,7 +700,8 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
         (tmp / "trainer_state.json").write_text(json.dumps(
             {"step": state.step, "version": state.step, "max_group_id": state.max_group_id,
              "trained_below": state.trained_below, "trained_above": sorted(state.trained),
-             "samples": state.samples, "skipped": state.skipped, "world_size": world(), "time": time.time()}))
+             "samples": state.samples, "skipped": state.skipped, "world_size": world(),
+             "time": time.time()}))
     barrier()  # sync: every rank's optimizer shard is on disk before COMPLETE
     if is_main():
         for f in tmp.iterdir():
@@ -613,13 +716,14 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
     barrier()  # sync: nobody reads checkpoints or exits before the rename
     return final
 
-# --- samples ---------------------------------------------------------------------------------------------------
+# --- samples --------------------------------------------------------------------------------------
 
 def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
-    """Block until this rank holds n samples. -> (samples, seconds waited). A malformed one (bad schema,
-    non-finite numbers, ids outside the vocabulary) is dropped, counted, and given back to its actor's
-    admission budget through the store (key dropped/<proc>), so that the actor replaces it."""
-    out, waited, last = [], 0.0, time.time()
+    """Block until this rank holds n samples. -> (samples, seconds waited). A malformed one (bad
+    schema, non-finite numbers, ids outside the vocabulary) is dropped, counted, and given back to
+    its actor's admission budget through the store (key dropped/<proc>), so that the actor
+    replaces it."""
+    out, waited, last = [], 0.0, time.time()  # waited: seconds in sock.poll; last: the last arrival
     while len(out) < n:
         t0 = time.time()
         ready = sock.poll(1000)
@@ -629,15 +733,15 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
                 watch_actors(store, cfg, state)
             if time.time() - last > cfg.run.peer_timeout_s:
                 sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
-                         f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(out)} of {n} here; "
-                         f"{waiting_for(store, cfg, state)}")
+                         f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(out)} of {n} "
+                         f"here; {waiting_for(store, cfg, state)}")
             continue
         last = time.time()
         frames = sock.recv_multipart()
         try:
             header, arrays = common.decode(frames, "sample")
             ids = np.concatenate([arrays["prompt_ids"], arrays["completion_ids"]])
-            if len(arrays["prompt_ids"]) == 0 or ids.min(initial=0) < 0 or ids.max(initial=0) >= vocab_size:
+            if len(arrays["prompt_ids"]) == 0 or not np.all((0 <= ids) & (ids < vocab_size)):
                 raise common.WireError("empty prompt or token id outside the vocabulary")
         except common.WireError as e:
             state.malformed += 1
@@ -674,27 +778,34 @@ def waiting_for(store, cfg, state) -> str:
             lost.append(f"actor process {p} on {beat.split()[-1]} (silent for {now - seen:.0f} s)")
     started = sum(int(store.add(f"started/{p}", 0)) for p in range(cfg.actor_procs))
     dropped = sum(int(store.add(f"dropped/{p}", 0)) for p in range(cfg.actor_procs))
-    return ((f"lost {', '.join(lost)}: its node is down or unreachable, or actor.py died there; " if lost else "")
-            + f"the actors started {started} samples, {dropped} were dropped on the way (verifier/trainer), so "
-            f"{started - dropped} can reach the trainer, which consumed {state.step * cfg.trainer.batch_size}: "
-            f"is verifier.py running, and actor.py? (logs/verifier.log, logs/actor.log)")
+    head = f"lost {', '.join(lost)}: its node is down or unreachable, or actor.py died there; "
+    return ((head if lost else "") + f"the actors started {started} samples, {dropped} were "
+            f"dropped on the way (verifier/trainer), so {started - dropped} can reach the trainer, "
+            f"which consumed {state.step * cfg.trainer.batch_size}: is verifier.py running, and "
+            "actor.py? (logs/verifier.log, logs/actor.log)")
 
-# --- main ------------------------------------------------------------------------------------------------------
+# --- main -----------------------------------------------------------------------------------------
 
 def main():
     cfg = common.parse_argv()
     # --- distributed init ---
     device = init_distributed(timeout_s=max(cfg.run.peer_timeout_s, cfg.sync.timeout_s) + 60)
-    if device.type == "cpu":  # one thread per core: oversubscription is the CPU demo's enemy (DESIGN.md)
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    # One thread per core: oversubscription is the CPU demo's enemy
+    # (docs/DESIGN.md, "One thread per core on CPU").
+    if device.type == "cpu":
+        threads = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, threads))
     torch.manual_seed(cfg.run.seed + rank())
     if is_main():
         common.setup_logging(cfg, "trainer")
 
-    # The store first: the actor waits for it before starting its engines, so not for this model's load too.
+    # The store first: the actor waits for it before starting its engines, so not for this model's
+    # load too.
     sender = store = None
-    if cfg.weight_world > 1:  # the other ranks report the samples they drop (pull_samples) on the same store
-        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, is_main(), cfg.sync.timeout_s)
+    # the other ranks report the samples they drop (pull_samples) on the same store
+    if cfg.weight_world > 1:
+        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, is_main(),
+                                          cfg.sync.timeout_s)
 
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
     ckpt = latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
@@ -702,22 +813,22 @@ def main():
     state.events = common.Events(cfg.run_dir, f"trainer{rank()}", cfg.run.trace)
     tokenizer, src = None, ckpt or cfg.trainer.init_from or cfg.model_path
     if is_main():
-        print(f"[trainer] {world()} rank(s) on {device}, {sum(u.numel for u in state.fsdp.units) / 1e6:.2f}M params, "
+        params = sum(u.numel for u in state.fsdp.units)
+        print(f"[trainer] {world()} rank(s) on {device}, {params / 1e6:.2f}M params, "
               f"{'resumed' if ckpt else 'fresh'} from {src}", flush=True)
-        try:
+        # a model directory without a tokenizer: checkpoints get none
+        with contextlib.suppress(OSError, ValueError, TypeError):
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(src)
-        except (OSError, ValueError, TypeError):  # a model directory without a tokenizer: checkpoints get none
-            pass
 
-    # --- weight group: trainer rank 0 + every vLLM worker; version 0 (or the checkpoint's) goes out first ---
+    # --- weight group (trainer rank 0 + every vLLM worker): version 0 or the checkpoint's first ---
     if is_main() and store is not None:
-        # The actor's first prompts: the groups below the last trained one that were not trained on (in
-        # flight when the checkpoint was taken), then the groups after it.
+        # The actor's first prompts: the groups below the last trained one that were not trained on
+        # (in flight when the checkpoint was taken), then the groups after it.
         store.set("untrained", ",".join(str(i) for i in untrained(state)))
         store.set("cursor", str(state.max_group_id + 1))
-        sender = weights_sync.WeightSender(store, weights_sync.init_group(store, 0, cfg.weight_world, "auto",
-                                                                          cfg.sync.timeout_s), cfg.sync.bucket_mb)
+        group = weights_sync.init_group(store, 0, cfg.weight_world, "auto", cfg.sync.timeout_s)
+        sender = weights_sync.WeightSender(store, group, cfg.sync.bucket_mb)
         sender = weights_sync.AsyncSender(sender) if cfg.sync.async_send else sender
     send_weights(state, sender, cfg, wait=True)
 
@@ -729,57 +840,64 @@ def main():
     common.limit_message_size(sock)
     sock.connect(addr)
     share = cfg.trainer.batch_size // world()
+    conventional = cfg.actor.schedule == "conventional"
     t_start = t_prev = time.time()
 
     # --- training loop: pull, step, send weights, log, checkpoint ---
     batches = []  # this rank's shares of the optimizer steps whose samples are already here
     while state.step < cfg.trainer.max_steps:
         wait_s = 0.0
-        if not batches and cfg.actor.schedule == "pipeline" and weights_owed(state.step, state.sent,
-                                                                              cfg.actor.max_lag):
-            send_weights(state, sender, cfg, wait=True)
         if not batches:
-            # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL step with one
-            # policy before its first optimizer step; PipelineRL (G_steps=1) steps as soon as B are here.
+            if not conventional and weights_owed(state.step, state.sent, cfg.actor.max_lag):
+                send_weights(state, sender, cfg, wait=True)
+            # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL
+            # step with one policy before its first optimizer step; PipelineRL (G_steps=1) steps as
+            # soon as B are here.
             steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
             t_wait = time.time()
-            pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr, state.model.config.vocab_size, store)
+            pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr,
+                                          state.model.config.vocab_size, store)
             state.events.span("wait", t_wait)
             batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
         samples = batches.pop(0)
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
-        broadcast_s, conventional = 0.0, cfg.actor.schedule == "conventional"
-        # Pipeline: after every applied step. Conventional: once per RL step (G_steps steps), even when its last
-        # step was skipped (the actor waits for this broadcast to start the next RL step).
-        if state.step % cfg.actor.G_steps == 0 and (conventional or not metrics["step_skipped"]):
-            broadcast_s = send_weights(state, sender, cfg, wait=conventional)
+        # The weights go out in pipeline mode after every applied step; conventional: once per RL
+        # step (G_steps steps), even when its last step was skipped (the actor waits for this
+        # broadcast to start the next RL step).
+        due = state.step % cfg.actor.G_steps == 0 and (conventional or not metrics["step_skipped"])
+        broadcast_s = send_weights(state, sender, cfg, wait=conventional) if due else 0.0
         now = time.time()
-        metrics.update(wait_s=wait_s, broadcast_s=broadcast_s, samples_per_s=cfg.trainer.batch_size / (now - t_prev),
-                       samples_total=state.samples)
-        # the time this step did not wait for samples / its wall (scripts/launch.py: bottleneck)
-        metrics["busy"] = 1.0 - wait_s / (now - t_prev)
+        # busy: the time this step did not wait for samples / its wall (scripts/launch.py:
+        # bottleneck)
+        metrics.update(wait_s=wait_s, broadcast_s=broadcast_s,
+                       samples_per_s=cfg.trainer.batch_size / (now - t_prev),
+                       samples_total=state.samples, busy=1.0 - wait_s / (now - t_prev))
         t_prev = now
         if is_main():
             common.log("trainer", metrics, state.step)  # every step: the figures read each one
+            # per sample, its tokens' versions run-length encoded: [[version, tokens], ...]
+            rle = [[[v, len(list(g))] for v, g in groupby(s["versions"].tolist())] for s in samples]
             with open(cfg.run_dir / "samples_trainer.jsonl", "a") as f:
                 f.write(json.dumps({"step": state.step, "trainer_version": state.step - 1,
                                     "group_ids": [int(s["group_id"]) for s in samples],
-                                    "version_runs": [[[v, len(list(g))] for v, g in groupby(s["versions"].tolist())]
-                                                     for s in samples]}) + "\n")
+                                    "version_runs": rle}) + "\n")
         if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
             save_checkpoint(state, cfg, tokenizer)
 
     # --- end: final checkpoint (unless the last step just wrote it) and summary ---
     if not (cfg.run_dir / "checkpoints" / f"step-{state.step}" / "COMPLETE").is_file():
         save_checkpoint(state, cfg, tokenizer)
-    if sender is not None:  # sync (AsyncSender): after the broadcast in flight (the actors receive until "done")
+    # sync (AsyncSender): after the broadcast in flight (the actors receive until "done")
+    if sender is not None:
         sender.announce("done")  # the actors exit 0 on this (run.sh then ends the run)
-        deadline = time.time() + 30   # this process hosts the store: keep it up until they have seen it
+        # this process hosts the store: keep it up until they have seen it
+        deadline = time.time() + 30
         while store.add("done_ack", 0) < cfg.actor_procs and time.time() < deadline:
             time.sleep(0.1)
     if is_main():
-        common.log("trainer", {"done": 1, "steps": state.step, "samples_total": state.samples,
-                               "wall_s": time.time() - t_start, "malformed": state.malformed}, state.step)
+        summary = {"done": 1, "steps": state.step, "samples_total": state.samples,
+                   "wall_s": time.time() - t_start, "malformed": state.malformed}
+        common.log("trainer", summary, state.step)
     sock.close()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -787,8 +905,10 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except SystemExit as e:  # e.g. no samples: a broadcast still pending in the AsyncSender's thread would
-        if e.code not in (None, 0):  # make interpreter teardown abort ("terminate called"): leave at once
+    # e.g. no samples: a broadcast still pending in the AsyncSender's thread would make interpreter
+    # teardown abort ("terminate called"): leave at once
+    except SystemExit as e:
+        if e.code not in (None, 0):
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr, flush=True)
             os._exit(e.code if isinstance(e.code, int) else 1)

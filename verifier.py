@@ -1,21 +1,24 @@
 """Verifier: scores rollouts, completes groups, computes advantages, pushes training samples.
 
-Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor (common.SCHEMAS).
+Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor
+          (common.SCHEMAS).
 Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group,
           for the trainer ranks; an evaluation pass (`eval`: true) becomes a line of
-          <run.dir>/eval.jsonl instead. Dropped groups (zero-advantage when asked, malformed; never a
-          slow one) go back to their actor's admission budget through the trainer's store
+          <run.dir>/eval.jsonl instead. Dropped groups (zero-advantage when asked, malformed;
+          never a slow one) go back to their actor's admission budget through the trainer's store
           (dropped/<proc>). Metrics: metrics_verifier.jsonl.
-Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports.rollouts, PULL samples from
-            ports.samples; a drop needs the trainer's store at sync.host:sync.port)
+Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports.rollouts, PULL
+            samples from ports.samples; a drop needs the trainer's store at sync.host:sync.port)
 
 Deliberate simplifications:
- 1. One process, state in memory: a restart loses the groups in progress (restart or resume the run).
- 2. Advantage = r - group mean, no std division (the paper's code); rewards: the config's table plus DAPO's
-    linear overlong penalty (the paper's "soft penalty near the max length").
- 3. Grading runs in `ScorePool` workers: subprocesses speaking JSON lines over pipes (a spawn pool re-imports
-    the caller's __main__ in each), math_verify's own timeouts off (signal.alarm: main thread only); a worker
-    that overruns the item limit (sympy on a hostile answer) or dies is replaced (~1 s); its item: `timeout`.
+ 1. One process, state in memory: a restart loses the groups in progress (restart or resume the
+    run).
+ 2. Advantage = r - group mean, no std division (the paper's code); rewards: the config's table
+    plus DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
+ 3. Grading runs in `ScorePool` workers: subprocesses speaking JSON lines over pipes (a spawn pool
+    re-imports the caller's __main__ in each), math_verify's own timeouts off (signal.alarm: main
+    thread only); a worker that overruns the item limit (sympy on a hostile answer) or dies is
+    replaced (~1 s); its item: `timeout`.
  4. Late duplicates of a forwarded or dropped group are recognised for the last 100k groups only.
 """
 import contextlib
@@ -36,10 +39,11 @@ import common
 import tasks
 from loss import group_advantages
 
-# --- scoring ----------------------------------------------------------------------------------------
+# --- scoring --------------------------------------------------------------------------------------
 
 def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
-    """Reward table minus DAPO's overlong penalty (0 at max_tokens - overlong_buffer, linear to overlong_penalty)."""
+    """Reward table minus DAPO's overlong penalty (0 at max_tokens - overlong_buffer, linear to
+    overlong_penalty)."""
     reward = {"correct": v.reward_correct, "wrong": v.reward_wrong}.get(status, v.reward_no_answer)
     start = max_tokens - v.overlong_buffer
     if v.overlong_buffer > 0 and n_tokens > start:
@@ -47,16 +51,21 @@ def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
     return reward
 
 def _worker_loop():
-    """A ScorePool worker: JSON lines [completion, answer, task] on stdin -> [reward, status] on stdout."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole process group; the parent stops us
-    with contextlib.suppress(OSError, AttributeError):  # Linux: die with the parent even while stuck in sympy
+    """A ScorePool worker: JSON lines [completion, answer, task] on stdin -> [reward, status] on
+    stdout."""
+    # Ctrl-C hits the whole process group; the parent stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Linux: die with the parent even while stuck in sympy (PR_SET_PDEATHSIG = 1)
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # a library that prints must not corrupt the protocol: fd 1 now goes to stderr
     import logging
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings: on purpose
-    import math_verify  # noqa: F401  (pay the import before saying ready, so the limit times scoring only)
+    # its "timeout is disabled" warnings: the timeouts are off on purpose
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    # pay the import before saying ready, so that the item limit times scoring only
+    import math_verify  # noqa: F401
     out.write(b"ready\n")
     for line in sys.stdin.buffer:
         try:
@@ -67,13 +76,15 @@ def _worker_loop():
         out.write(json.dumps([reward, status]).encode() + b"\n")
 
 class ScorePool:
-    """`workers` scoring processes (simplification 3); an item's `timeout_s` runs from when a worker takes it.
-    Completions are cut to their last `max_chars` characters (the answer is at the end): submit, then
-    collect. Workers die with the thread that started them (PR_SET_PDEATHSIG): use a long-lived one."""
+    """`workers` scoring processes (simplification 3); an item's `timeout_s` runs from when a worker
+    takes it. Completions are cut to their last `max_chars` characters (the answer is at the end):
+    submit, then collect. Workers die with the thread that started them (PR_SET_PDEATHSIG): use a
+    long-lived one."""
 
     def __init__(self, workers: int, timeout_s: float, max_chars: int):
         self.timeout_s, self.max_chars = timeout_s, max_chars
-        self.backlog, self.results = deque(), []  # (ticket, item) not yet taken; (ticket, reward, status, s)
+        # backlog: (ticket, item) not yet taken; results: (ticket, reward, status, seconds)
+        self.backlog, self.results = deque(), []
         self.next_ticket, self.restarts, self.failed_starts = 0, 0, 0
         self.workers = [self._start() for _ in range(workers)]
 
@@ -95,8 +106,8 @@ class ScorePool:
         self._stop(w)
         self.failed_starts += not w["ready"]
         if self.failed_starts > 3:
-            raise RuntimeError("scoring workers die while starting; run `python -c 'import verifier; "
-                               "verifier._worker_loop()'` to see why")
+            raise RuntimeError("scoring workers die while starting; run `python -c 'import "
+                               "verifier; verifier._worker_loop()'` to see why")
         if w["job"] is not None:
             self.results.append((w["job"], 0.0, "timeout", time.monotonic() - w["t0"]))
         self.workers[self.workers.index(w)] = self._start()
@@ -105,7 +116,8 @@ class ScorePool:
     def _dispatch(self):
         for w in list(self.workers):
             if self.backlog and w["ready"] and w["job"] is None:
-                (w["job"], item), w["t0"] = self.backlog.popleft(), time.monotonic()
+                w["job"], item = self.backlog.popleft()
+                w["t0"] = time.monotonic()
                 try:
                     w["proc"].stdin.write(json.dumps(item).encode() + b"\n")
                     w["proc"].stdin.flush()
@@ -114,7 +126,8 @@ class ScorePool:
 
     def submit(self, completion: str, answer: str, task: str) -> int:
         """Queue one item; returns its ticket (collect reports it)."""
-        ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
+        ticket = self.next_ticket
+        self.next_ticket += 1
         self.backlog.append((ticket, [completion[-self.max_chars:], answer, task]))
         self._dispatch()
         return ticket
@@ -122,19 +135,23 @@ class ScorePool:
     def busy(self) -> int:  # items submitted and not yet collected: queued + being scored
         return len(self.backlog) + sum(w["job"] is not None for w in self.workers)
 
-    def fds(self) -> list:  # the pipes that results arrive on (to wait on); they change when a worker is replaced
+    # the pipes that results arrive on (to wait on); they change when a worker is replaced
+    def fds(self) -> list:
         return [w["proc"].stdout.fileno() for w in self.workers]
 
     def collect(self, timeout: float = 0.0) -> list:
-        """-> [(ticket, reward, status, seconds)] finished since the last call; waits up to `timeout` s."""
+        """-> [(ticket, reward, status, seconds)] finished since the last call; waits up to
+        `timeout` s."""
         readable, _, _ = select.select(self.fds(), [], [], 0 if self.results else timeout)
         for w in list(self.workers):
             if w["proc"].stdout.fileno() in readable:
-                line = w["proc"].stdout.readline()  # cannot block: a worker writes one whole line, then waits
+                # cannot block: a worker writes one whole line, then waits
+                line = w["proc"].stdout.readline()
                 if not line:  # EOF: the worker died (killed, out of memory, a crash in C)
                     self._replace(w)
                 elif not w["ready"]:
-                    w["ready"], self.failed_starts = True, 0
+                    w["ready"] = True
+                    self.failed_starts = 0
                 else:
                     reward, status = json.loads(line)
                     self.results.append((w["job"], float(reward), status, time.monotonic() - w["t0"]))
@@ -150,31 +167,37 @@ class ScorePool:
             self._stop(w)
         self.workers = []
 
-# --- the service --------------------------------------------------------------------------------------
+# --- the service ----------------------------------------------------------------------------------
 
 class State:
-    """The service's memory (simplification 1). A group's key is (eval, group_id): eval passes have their own ids."""
+    """The service's memory (simplification 1). A group's key is (eval, group_id): eval passes have
+    their own ids."""
 
     def __init__(self, cfg):
-        self.cfg, self.store = cfg, None  # the trainer's store, connected at the first drop
-        self.open = {}  # key -> {"size", "t0", "proc", "seen": {idx}, "scored": {idx: (header, arrays)}}
+        # the config; the trainer's store, connected at the first drop
+        self.cfg, self.store = cfg, None
+        # key -> {"size", "t0", "proc", "seen": {idx}, "scored": {idx: (header, arrays)}}
+        self.open = {}
         self.finished = OrderedDict()  # keys forwarded or dropped (simplification 4)
         self.scoring = {}  # pool ticket -> (key, header, arrays)
         self.outbox = deque()  # encoded samples waiting for a trainer rank
-        self.counts = dict.fromkeys(["groups_forwarded", "zero_adv_groups", "dropped_groups", "dropped_samples",
-                                     "duplicates", "malformed", "slow_groups", "evaluations",
-                                     *(f"status_{s}" for s in tasks.STATUSES)], 0)
-        self.window = {"t": time.monotonic(), "samples": 0, "scored": [], "eval": None}  # since the last log
+        self.counts = dict.fromkeys(["groups_forwarded", "zero_adv_groups", "dropped_groups",
+                                     "dropped_samples", "duplicates", "malformed", "slow_groups",
+                                     "evaluations", *(f"status_{s}" for s in tasks.STATUSES)], 0)
+        # since the last log
+        self.window = {"t": time.monotonic(), "samples": 0, "scored": [], "eval": None}
 
     def close(self, key):
-        """No longer open: samples still to come are late duplicates, results still being scored are ignored."""
+        """No longer open: samples still to come are late duplicates, results still being scored
+        are ignored."""
         self.open.pop(key, None)
         self.finished[key] = None
         if len(self.finished) > 100_000:  # simplification 4
             self.finished.popitem(last=False)
 
     def drop(self, key, proc: int, size: int):
-        """A group that will not be forwarded; a training group's samples go back to actor `proc`'s budget."""
+        """A group that will not be forwarded; a training group's samples go back to actor
+        `proc`'s budget."""
         self.close(key)
         if not key[0]:
             self.counts["dropped_groups"] += 1
@@ -186,7 +209,8 @@ class State:
             self.store.add(f"dropped/{proc}", size)
 
 def receive(sock, state: State, pool, tokenizer, limit: int):
-    """Check, decode, submit rollouts while the pool has room. A malformed one drops its group: it can't complete."""
+    """Check, decode, submit rollouts while the pool has room. A malformed one drops its group: it
+    can't complete."""
     while pool.busy() < limit and sock.poll(0):
         frames = sock.recv_multipart()
         try:
@@ -207,28 +231,31 @@ def receive(sock, state: State, pool, tokenizer, limit: int):
         except common.WireError as e:
             state.counts["malformed"] += 1
             print(f"[verifier] dropped a malformed rollout: {e}", flush=True)
+            # peek_header keeps the fields that are valid by themselves: a drop needs these three
             h = common.peek_header(frames)
             key = (False, h.get("group_id"))
-            if (all(type(h.get(k)) is int for k in ("group_id", "group_size", "proc")) and h.get("eval") is not True
+            if ({"group_id", "group_size", "proc"} <= h.keys() and h.get("eval") is not True
                     and key not in state.finished and h["group_size"] >= 1):
                 state.drop(key, h["proc"], h["group_size"])
             continue
-        group = state.open.setdefault(key, {"size": size, "t0": time.monotonic(), "proc": header["proc"],
-                                            "seen": set(), "scored": {}})
+        group = state.open.setdefault(key, {"size": size, "t0": time.monotonic(),
+                                            "proc": header["proc"], "seen": set(), "scored": {}})
         group["seen"].add(idx)
         state.scoring[pool.submit(text, header["answer"], header["task"])] = (key, header, arrays)
 
 def complete(state: State, key):
-    """A complete group: training -> advantages -> samples in the outbox (or dropped); eval -> eval.jsonl."""
+    """A complete group: training -> advantages -> samples in the outbox (or dropped); eval ->
+    eval.jsonl."""
     group = state.open[key]
     state.close(key)
     members = [group["scored"][i] for i in range(group["size"])]
     rewards = [h["reward"] for h, _ in members]
     if key[0]:  # an evaluation pass over the test split (actor.py, simplification 3)
         versions = np.concatenate([a["versions"] for _, a in members])
-        record = {"version": key[1], "versions": [int(versions.min(initial=key[1])), int(versions.max(initial=key[1]))],
-                  "time": time.time(), "test_reward": float(np.mean(rewards)), "n": len(members),
-                  "eval_s": max(h["t_end"] for h, _ in members) - min(h["t_start"] for h, _ in members)}
+        version_range = [int(versions.min(initial=key[1])), int(versions.max(initial=key[1]))]
+        eval_s = max(h["t_end"] for h, _ in members) - min(h["t_start"] for h, _ in members)
+        record = {"version": key[1], "versions": version_range, "time": time.time(),
+                  "test_reward": float(np.mean(rewards)), "n": len(members), "eval_s": eval_s}
         with open(state.cfg.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         state.counts["evaluations"] += 1
@@ -246,8 +273,9 @@ def log_window(state: State, pool, now):
     """Log the metrics of the window that ends `now` and start the next one."""
     w = state.window
     metrics = {"samples_per_s": w["samples"] / max(now - w["t"], 1e-9),
-               "queue_depth": sum(len(x["seen"]) for x in state.open.values()),
-               "scoring": pool.busy(), "outbox": len(state.outbox), "worker_restarts": pool.restarts, **state.counts}
+               "queue_depth": sum(len(group["seen"]) for group in state.open.values()),
+               "scoring": pool.busy(), "outbox": len(state.outbox),
+               "worker_restarts": pool.restarts, **state.counts}
     if w["scored"]:
         rewards, seconds = zip(*w["scored"])
         p50, p99 = np.percentile(1000 * np.array(seconds), [50, 99])
@@ -262,7 +290,8 @@ def main():
     cfg = common.parse_argv()
     v = cfg.verifier
     common.setup_logging(cfg, "verifier")
-    torch.set_num_threads(1)  # torch only runs loss.group_advantages here; the cores belong to the other roles
+    # torch only runs loss.group_advantages here; the cores belong to the other roles
+    torch.set_num_threads(1)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
 
@@ -278,12 +307,13 @@ def main():
     bucket = [time.time(), 0]  # the timeline's: its start, samples scored since
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.append(True))
-    print(f"[verifier] rollouts <- {host}:{cfg.ports.rollouts}, samples -> {host}:{cfg.ports.samples}, "
-          f"{v.workers} scoring workers", flush=True)
+    print(f"[verifier] rollouts <- {host}:{cfg.ports.rollouts}, samples -> "
+          f"{host}:{cfg.ports.samples}, {v.workers} scoring workers", flush=True)
 
     while not stopping:
-        # Backpressure: with the pool or the outbox full, rollouts wait in ZMQ's queue up to its high-water mark,
-        # then the actor's PUSH waits (without blocking its loop). 50 ms: the granularity of the item time limit.
+        # Backpressure: with the pool or the outbox full, rollouts wait in ZMQ's queue up to its
+        # high-water mark, then the actor's PUSH waits (without blocking its loop). 50 ms: the
+        # granularity of the item time limit.
         room = len(state.outbox) < 4 * cfg.trainer.batch_size
         reading = [rollouts_sock] if room and pool.busy() < 2 * v.workers else []
         zmq.select(reading + pool.fds(), [samples_sock] if state.outbox else [], [], 0.05)
@@ -295,8 +325,8 @@ def main():
         for ticket, _, status, seconds in scored:
             key, header, arrays = state.scoring.pop(ticket)
             if key in state.open:  # else its group was dropped meanwhile
-                header.update(reward=reward_for(status, v, len(arrays["completion_ids"]), cfg.actor.max_tokens),
-                              status=status)
+                header.update(reward=reward_for(status, v, len(arrays["completion_ids"]),
+                                                cfg.actor.max_tokens), status=status)
                 state.counts[f"status_{status}"] += 1
                 state.window["scored"].append((header["reward"], seconds))
                 state.open[key]["scored"][header["sample_idx"]] = (header, arrays)
@@ -317,18 +347,18 @@ def main():
                 state.outbox.popleft()
                 state.window["samples"] += 1
         # --- report slow groups (never drop them); log ---
-        # A slow group is not a lost one: with a long tail of lengths its last sample may come minutes
-        # after its first, and dropping it would train only on the problems answered quickly (and lose
-        # an evaluation pass). A sample is known lost only when it arrives malformed (`receive` drops
-        # its group) or when a role dies, which ends the run.
+        # A slow group is not a lost one: with a long tail of lengths its last sample may come
+        # minutes after its first, and dropping it would train only on the problems answered
+        # quickly (and lose an evaluation pass). A sample is known lost only when it arrives
+        # malformed (`receive` drops its group) or when a role dies, which ends the run.
         now = time.monotonic()
         if now - state.window["t"] >= cfg.run.log_every:
             for key, group in state.open.items():
                 if now - group["t0"] > v.stale_group_s and not group.get("reported"):
                     group["reported"] = True
-                    print(f"[verifier] {'evaluation' if key[0] else 'group'} {key[1]} still incomplete after "
-                          f"{now - group['t0']:.0f} s ({len(group['seen'])}/{group['size']} samples "
-                          "received): waiting for the rest", flush=True)
+                    print(f"[verifier] {'evaluation' if key[0] else 'group'} {key[1]} still "
+                          f"incomplete after {now - group['t0']:.0f} s ({len(group['seen'])}/"
+                          f"{group['size']} samples received): waiting for the rest", flush=True)
                     state.counts["slow_groups"] += 1
             log_window(state, pool, now)
 
@@ -336,9 +366,11 @@ def main():
     log_window(state, pool, time.monotonic())
     pool.close()
     rollouts_sock.close(linger=0)
-    samples_sock.close(linger=1000)  # give samples already handed to ZMQ a second to reach a trainer
+    # give samples already handed to ZMQ a second to reach a trainer
+    samples_sock.close(linger=1000)
     ctx.term()
-    print(f"[verifier] stopped; {len(state.outbox)} samples unsent, {len(state.open)} groups incomplete", flush=True)
+    print(f"[verifier] stopped; {len(state.outbox)} samples unsent, {len(state.open)} groups "
+          "incomplete", flush=True)
 
 if __name__ == "__main__":
     main()

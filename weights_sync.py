@@ -1,17 +1,20 @@
 """The weight-update process group: trainer rank 0 broadcasts new weights to every vLLM worker.
 
 Consumes: the trainer's `(hf_name, full_tensor)` iterator (one sharding unit gathered at a time).
-Produces: the same tensors inside every vLLM worker (`WeightUpdateExtension`), loaded with `reload_weights`.
-Rendezvous: a `TCPStore` at `sync.host:sync.port` (master: trainer rank 0). Before each broadcast the trainer
-bumps the counter `announced` to n and sets `announce/<n>` to its version ("done" at the end): the actor blocks
-on the next key, never polls. An update: a header (int64 length, then UTF-8 JSON, never pickle), then buckets.
+Produces: the same tensors inside every vLLM worker (`WeightUpdateExtension`), loaded with
+`reload_weights` (written against vLLM 0.32's worker API: reload_weights, collective_rpc).
+Rendezvous: a `TCPStore` at `sync.host:sync.port` (master: trainer rank 0). Before each broadcast
+the trainer bumps the counter `announced` to n and sets `announce/<n>` to its version ("done" at
+the end): the actor blocks on the next key, never polls. An update: a header (int64 length, then
+UTF-8 JSON, never pickle), then buckets.
 
 Simplifications:
 1. Every update sends the full model (no deltas, no quantization on the wire).
-2. Memory: the sender stages two buckets (packs one while the other is on the wire); a CPU receiver keeps one
-   model copy of receive buffers across updates (see iter_tensors).
-3. Tied embeddings: the shared tensor travels once; vLLM's tied lm_head reruns its post-load step after every
-   update (`refresh_tied_heads`: on CPU a V x H repack, as at engine start); a quantized tied lm_head is refused.
+2. Memory: the sender stages two buckets (packs one while the other is on the wire); a CPU receiver
+   keeps one model copy of receive buffers across updates (see iter_tensors).
+3. Tied embeddings: the shared tensor travels once; vLLM's tied lm_head reruns its post-load step
+   after every update (`refresh_tied_heads`: on CPU a V x H repack, as at engine start); a
+   quantized tied lm_head is refused.
 """
 import contextlib
 import datetime
@@ -28,7 +31,6 @@ import torch.distributed as dist
 
 import common
 
-VLLM_VERSION = "0.32.0"  # the vLLM whose worker API (reload_weights, collective_rpc) this was written against
 _ALIGN = 64  # byte alignment of a tensor inside a bucket (any dtype view stays aligned)
 
 class ManifestError(ValueError):
@@ -53,7 +55,8 @@ def create_store(host: str, port: int, is_master: bool, timeout_s: float) -> dis
                          master_listen_fd=listener.detach())
 
 def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout_s: float = 300.0):
-    """A process group outside both programs' default worlds (DESIGN.md "Two programs, one gloo group")."""
+    """A process group outside both programs' default worlds (docs/DESIGN.md,
+    "Two programs, one gloo group")."""
     backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
     prefix, timeout = dist.PrefixStore("weights", store), datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
@@ -74,14 +77,15 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
             os.environ["TORCH_NCCL_BLOCKING_WAIT"] = before
 
 def _device(pg) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if pg.name() == "nccl" else torch.device("cpu")
+    return torch.device(f"cuda:{torch.cuda.current_device()}" if pg.name() == "nccl" else "cpu")
 
-# --- sender (trainer rank 0) ------------------------------------------------------------------------
+# --- sender (trainer rank 0) ----------------------------------------------------------------------
 
 def bucket_layout(manifest, bucket_bytes: int):
-    """[(name, shape, torch dtype)] -> (entries with bucket/offset/nbytes/own, bucket sizes in bytes). A tensor
-    of >= 1/8 bucket is a bucket of its own, broadcast from its own memory: it amortizes a collective's latency
-    within 8x of a full bucket, and copying it would cost the sender ~1/4 of the wire time (bench_weights.py)."""
+    """[(name, shape, torch dtype)] -> (entries with bucket/offset/nbytes/own, bucket sizes in
+    bytes). A tensor of >= 1/8 bucket is a bucket of its own, broadcast from its own memory: it
+    amortizes a collective's latency within 8x of a full bucket, and copying it would cost the
+    sender ~1/4 of the wire time (bench/bench_weights.py)."""
     entries, sizes = [], []
     for name, shape, dtype in manifest:
         nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
@@ -91,13 +95,14 @@ def bucket_layout(manifest, bucket_bytes: int):
             sizes.append(0)
             offset = 0
         sizes[-1] = offset + nbytes
-        entries.append({"name": name, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
-                        "bucket": len(sizes) - 1, "offset": offset, "nbytes": nbytes, "own": alone})
+        entries.append(dict(name=name, shape=list(shape), dtype=str(dtype).removeprefix("torch."),
+                            bucket=len(sizes) - 1, offset=offset, nbytes=nbytes, own=alone))
     return entries, sizes
 
 class WeightSender:
-    """Trainer rank 0's side. Memory: two staging buckets, the tensor on the wire and the one yielded, which
-    the iterator's next yield must not overwrite (trainer.py allocates each gathered unit afresh)."""
+    """Trainer rank 0's side. Memory: two staging buckets, the tensor on the wire and the one
+    yielded, which the iterator's next yield must not overwrite (trainer.py allocates each gathered
+    unit afresh)."""
 
     def __init__(self, store, pg, bucket_mb: float):
         self.store, self.pg, self.bucket_bytes, self.device = store, pg, int(bucket_mb * 2**20), _device(pg)
@@ -109,12 +114,14 @@ class WeightSender:
 
     def send(self, version: int, named_tensors, manifest):
         entries, sizes = bucket_layout(manifest, self.bucket_bytes)
-        header = json.dumps({"version": int(version), "tensors": entries, "buckets": sizes}).encode()
+        header = json.dumps(dict(version=int(version), tensors=entries, buckets=sizes)).encode()
         self.announce(str(int(version)))  # the actor wakes on this and joins the broadcast
         self.pg.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device), 0).wait()
         self.pg.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), 0).wait()
         tensors, slot = iter(named_tensors), 1
-        packed, own = [None, None], {}  # each staging buffer's broadcast; i -> (broadcast, tensor) from its memory
+        # each staging buffer's broadcast; i -> (broadcast, tensor i) of a tensor broadcast from its
+        # own memory
+        packed, own = {}, {}
         for i, e in enumerate(entries):
             if i - 2 in own:  # the next yield may overwrite tensor i - 2: off the wire first
                 own.pop(i - 2)[0].wait()
@@ -126,43 +133,48 @@ class WeightSender:
             if e["own"]:
                 own[i] = (self.pg.broadcast(data.to(self.device), 0), data)
                 continue
-            if e["offset"] == 0:  # a new packed bucket: take the other staging buffer once it is free
+            # a new packed bucket: take the other staging buffer once it is free
+            if e["offset"] == 0:
                 slot = 1 - slot
-                if packed[slot] is not None:
+                if slot in packed:
                     packed[slot].wait()
             self.staging[slot][e["offset"]:e["offset"] + e["nbytes"]].copy_(data)
-            if i + 1 == len(entries) or entries[i + 1]["bucket"] != e["bucket"]:  # complete: on the wire
+            # the bucket is complete: on the wire
+            if i + 1 == len(entries) or entries[i + 1]["bucket"] != e["bucket"]:
                 packed[slot] = self.pg.broadcast(self.staging[slot][:sizes[e["bucket"]]], 0)
         if next(tensors, None) is not None:
             raise ManifestError(f"the iterator yields more tensors than the manifest's {len(entries)}")
-        for work in [work for work in packed if work is not None] + [work for work, _ in own.values()]:
+        for work in [*packed.values(), *(work for work, _ in own.values())]:
             work.wait()
 
 class AsyncSender:
-    """WeightSender.send from a thread while the trainer trains the next step (issue 12). Memory: one full
-    weight copy on rank 0, filled only while no broadcast runs (`idle`): no torn update. A version that finds
-    one running is skipped: only the newest weights travel, each with its own version, so per-token labels
-    stay exact. sync.async_send=false: WeightSender itself, training waits."""
+    """WeightSender.send from a thread, so that the trainer trains its next step while the weights
+    are on the wire instead of waiting for the broadcast. Memory: one full weight copy on rank 0,
+    filled only while no broadcast runs (`idle`): no torn update. A version that finds one running
+    is skipped: only the newest weights travel, each with its own version, so per-token labels stay
+    exact. sync.async_send=false: WeightSender itself, training waits."""
 
     def __init__(self, sender: WeightSender):
         self.sender, self.copy, self.error = sender, {}, None
         self.store = sender.store
         self.idle = threading.Event()
         self.idle.set()
-        # CUDA: the thread's work gets a stream of its own. A new thread's current stream is the device's
-        # default stream, which training also uses: each bucket's pack and NCCL wait would queue training
-        # kernels behind the wire, and send() would return before anything was on it.
+        # CUDA: the thread's work gets a stream of its own. A new thread's current stream is the
+        # device's default stream, which training also uses: each bucket's pack and NCCL wait would
+        # queue training kernels behind the wire, and send() would return before anything was on it.
         self.stream = torch.cuda.Stream(sender.device) if sender.device.type == "cuda" else None
 
     def check(self):
         if self.error is not None:
-            raise RuntimeError(f"the weight broadcast to the actors failed ({self.error}); is actor.py still "
-                               "running? its vLLM workers are ranks 1.. of the weight group at sync.host:sync.port"
-                               ) from self.error
+            raise RuntimeError(f"the weight broadcast to the actors failed ({self.error}); is "
+                               "actor.py still running? its vLLM workers are ranks 1.. of the "
+                               "weight group at sync.host:sync.port") from self.error
 
     def send(self, version: int, named_tensors, manifest):
-        """Copy the gathered weights into `copy` (the caller checked `idle`), broadcast it from a thread."""
-        self.check()  # the previous broadcast failed (e.g. a dead actor): the trainer stops here, named
+        """Copy the gathered weights into `copy` (the caller checked `idle`), broadcast it from a
+        thread."""
+        # the previous broadcast failed (e.g. a dead actor): the trainer stops here, named
+        self.check()
         for name, tensor in named_tensors:
             if name not in self.copy:
                 self.copy[name] = torch.empty_like(tensor, device=self.sender.device)
@@ -175,13 +187,15 @@ class AsyncSender:
             try:
                 with contextlib.ExitStack() as scope:
                     if self.stream is not None:
-                        torch.cuda.set_device(self.sender.device)  # the thread's device: not always cuda:0
+                        # the thread's device: not always cuda:0
+                        torch.cuda.set_device(self.sender.device)
                         scope.enter_context(torch.cuda.stream(self.stream))
                     self.sender.send(version, iter(self.copy.items()), manifest)
                     if self.stream is not None:
                         # idle means on the wire and done: work.wait() only orders streams on CUDA
                         self.stream.synchronize()
-            except Exception as e:  # noqa: BLE001 - the trainer's loop raises it at its next send/announce
+            except Exception as e:  # noqa: BLE001
+                # the trainer's loop raises it at its next send/announce
                 self.error = e
             finally:
                 self.idle.set()
@@ -197,11 +211,12 @@ class AsyncSender:
         self.close()
         self.sender.announce(value)
 
-# --- receiver -----------------------------------------------------------------------------------------
+# --- receiver -------------------------------------------------------------------------------------
 
 def receive_header(pg, expected=None) -> dict:
-    """The next update's header, checked against `expected` (name -> (shape, dtype name or None)). A mismatch
-    raises ManifestError naming each one, after dropping the update's buckets: the group stays in step."""
+    """The next update's header, checked against `expected` (name -> (shape, dtype name or None)).
+    A mismatch raises ManifestError naming each one, after dropping the update's buckets: the group
+    stays in step."""
     device = _device(pg)
     length = torch.zeros(1, dtype=torch.int64, device=device)
     pg.broadcast(length, 0).wait()
@@ -228,10 +243,11 @@ def receive_header(pg, expected=None) -> dict:
     return header
 
 def iter_tensors(pg, header: dict, buffers=None, stats=None):
-    """Yield (name, tensor) as views into received buckets, two buckets in flight. A buffer per bucket, never
-    recycled within an update: vLLM's layerwise reload may hold views until a layer is complete. `buffers` keeps
-    them across updates: on CPU fresh ones' first-touch page faults cost as much as the wire (bench_weights.py);
-    on GPU the caching allocator makes them free."""
+    """Yield (name, tensor) as views into received buckets, two buckets in flight. A buffer per
+    bucket, never recycled within an update: vLLM's layerwise reload may hold views until a layer
+    is complete. `buffers` keeps them across updates: on CPU fresh ones' first-touch page faults
+    cost as much as the wire (bench/bench_weights.py); on GPU the caching allocator makes them
+    free."""
     device, sizes = _device(pg), header["buckets"]
     stats = {} if stats is None else stats
     stats["wait_s"] = 0.0  # time spent waiting on the wire
@@ -247,11 +263,12 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
     # enqueue; CUDA events around each wait time the stream's wait instead (read once, at the end).
     events = [] if device.type == "cuda" else None
     posted = {b: post(b) for b in range(min(2, len(sizes)))}  # two buckets posted ahead
-    for b, entries in itertools.groupby(header["tensors"], key=lambda e: e["bucket"]):  # every bucket, in order
+    # every bucket, in order
+    for b, entries in itertools.groupby(header["tensors"], key=lambda e: e["bucket"]):
         buf, work = posted.pop(b)
         t0 = time.perf_counter()
         if events is not None:
-            events.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
+            events.append([torch.cuda.Event(enable_timing=True) for _ in range(2)])
             events[-1][0].record()
         work.wait()
         if events is not None:
@@ -263,7 +280,8 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
             view = buf[e["offset"]:e["offset"] + e["nbytes"]].view(getattr(torch, e["dtype"]))
             yield e["name"], view.reshape(e["shape"])
     if events is not None:
-        torch.cuda.current_stream().synchronize()  # the update is loaded before it is reported (and timed)
+        # the update is loaded before it is reported (and timed)
+        torch.cuda.current_stream().synchronize()
         stats["wait_s"] = sum(start.elapsed_time(end) for start, end in events) / 1e3
 
 def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
@@ -278,14 +296,15 @@ def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
     out, dtype_name = {}, str(dtype).removeprefix("torch.")
     for path in files:
         with safe_open(path, "pt") as f:
-            out.update({name: (list(f.get_slice(name).get_shape()), dtype_name) for name in f.keys()})
+            out.update({n: (list(f.get_slice(n).get_shape()), dtype_name) for n in f.keys()})
     return out
 
-# --- receiver inside vLLM -----------------------------------------------------------------------------
+# --- receiver inside vLLM -------------------------------------------------------------------------
 
 def tied_lm_heads(model) -> dict:
-    """name -> vLLM ParallelLMHead whose weight IS an input embedding's Parameter: vLLM ties by sharing it
-    (`ParallelLMHead.tie_weights`, from e.g. models/qwen2.py, or model_loader/weight_tying.py)."""
+    """name -> vLLM ParallelLMHead whose weight IS an input embedding's Parameter: vLLM ties by
+    sharing it (`ParallelLMHead.tie_weights`, from e.g. models/qwen2.py, or
+    model_loader/weight_tying.py)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
     modules = dict(model.named_modules())
@@ -293,21 +312,25 @@ def tied_lm_heads(model) -> dict:
                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
     heads = {n: m for n, m in modules.items() if isinstance(m, ParallelLMHead) and id(m.weight) in embeddings}
     for name, head in heads.items():
-        if not isinstance(head.quant_method, UnquantizedEmbeddingMethod):  # its post-load step may re-quantize
-            raise ValueError(f"{name}: a quantized tied lm_head ({type(head.quant_method).__name__}) is not supported")
+        # its post-load step may re-quantize
+        if not isinstance(head.quant_method, UnquantizedEmbeddingMethod):
+            raise ValueError(f"{name}: a quantized tied lm_head "
+                             f"({type(head.quant_method).__name__}) is not supported")
     return heads
 
 def refresh_tied_heads(heads: dict):
-    """`reload_weights` (model_loader/reload/layerwise.py) writes the embedding's Parameter in place, which a tied
-    head shares, but no checkpoint tensor names the head, so its post-load step never reruns. On CPU that step
-    (layers/utils.py `dispatch_cpu_unquantized_gemm`) packed the weight into the oneDNN GEMM handle the logits use:
-    stale unless re-run. On GPU the logits read the shared Parameter (logits_processor.py `_apply_head`): a no-op."""
+    """`reload_weights` (model_loader/reload/layerwise.py) writes the embedding's Parameter in
+    place, which a tied head shares, but no checkpoint tensor names the head, so its post-load step
+    never reruns. On CPU that step (layers/utils.py `dispatch_cpu_unquantized_gemm`) packed the
+    weight into the oneDNN GEMM handle the logits use: stale unless re-run. On GPU the logits read
+    the shared Parameter (logits_processor.py `_apply_head`): a no-op."""
     for head in heads.values():
         head.quant_method.process_weights_after_loading(head)
 
 class WeightUpdateExtension:
-    """Mixed into every vLLM worker (`worker_extension_cls="weights_sync.WeightUpdateExtension"`). Only small
-    scalars go through collective_rpc (tensors as RPC arguments arrive as lists), weights over the group."""
+    """Mixed into every vLLM worker (`worker_extension_cls="weights_sync.WeightUpdateExtension"`).
+    Only small scalars go through collective_rpc (tensors as RPC arguments arrive as lists),
+    weights over the group."""
 
     def init_weight_group(self, host, port, world_size, rank_base, backend, timeout_s, run_dir=".",
                           trace=False):
@@ -315,26 +338,35 @@ class WeightUpdateExtension:
         rank = rank_base + get_tensor_model_parallel_rank()
         self._ws_tied_heads = tied_lm_heads(self.model_runner.get_model())
         self._ws_expected = checkpoint_manifest(self.model_config.model, self.model_config.dtype)
-        for name in self._ws_tied_heads:  # a checkpoint may keep a redundant copy; HF ties it too, so the
-            self._ws_expected.pop(f"{name}.weight", None)  # trainer stores the tensor once and never sends it
+        # A checkpoint may keep a redundant copy of a tied head; HF ties it too, so the trainer
+        # stores the tensor once and never sends it.
+        for name in self._ws_tied_heads:
+            self._ws_expected.pop(f"{name}.weight", None)
         self._ws_pg = init_group(create_store(host, port, False, timeout_s), rank, world_size, backend, timeout_s)
-        self._ws_buffers = {} if self._ws_pg.name() == "gloo" else None  # one model copy of RAM on CPU
-        self._ws_stats, self._ws_last_step, self._ws_gap_from, self._ws_stall = {}, None, None, None
+        # one model copy of RAM on CPU
+        self._ws_buffers = {} if self._ws_pg.name() == "gloo" else None
         self._ws_events = common.Events(run_dir, f"engine{rank}", trace)
+        # The stall bookkeeping (_ws_timed, _ws_account): the last update's stats, the end of the
+        # last decode step, the end of the step before an update (until the next step starts), the
+        # stall of the last update (once the next step started).
+        self._ws_stats, self._ws_last_step, self._ws_gap_from, self._ws_stall = {}, None, None, None
         self._ws_busy = 0.0  # seconds inside decode steps since the last receive_weights
         self._ws_since = time.perf_counter()
         self._ws_bucket = [time.time(), 0.0, 0, 0, time.time()]  # see _ws_step
-        for name in ("execute_model", "sample_tokens"):  # vLLM calls them by name: getattr(worker, name)
+        # vLLM calls them by name: getattr(worker, name)
+        for name in ("execute_model", "sample_tokens"):
             setattr(self, name, self._ws_timed(getattr(self, name)))
         return rank
 
     def _ws_timed(self, method):
-        """`method` timed, for the stall an update puts on generation: the gap from the end of the last
-        decode step before a receive to the start of the first one after it (reported with the next update)."""
+        """`method` timed, for the stall an update puts on generation: the gap from the end of the
+        last decode step before a receive to the start of the first one after it (reported with
+        the next update)."""
         def timed(*args, **kwargs):
             start = time.perf_counter()
             if self._ws_gap_from is not None:  # the first step after an update
-                self._ws_stall, self._ws_gap_from = start - self._ws_gap_from, None
+                self._ws_stall = start - self._ws_gap_from
+                self._ws_gap_from = None
             try:
                 return method(*args, **kwargs)
             finally:
@@ -373,31 +405,43 @@ class WeightUpdateExtension:
                                 tokens_per_s=sequences / seconds)
 
     def receive_weights(self) -> dict:
-        """One update: header, manifest check (before any weight changes), buckets -> reload_weights -> {version,
-        seconds, bytes, wire_s, load_s, prev_stall_s, prev_wire_load_s}: the previous update's gap between decode
-        steps (None if the engine was idle: no step in the second before; or not decoding again yet), its seconds."""
+        """One update: read its header and check it against the checkpoint (before any weight
+        changes), reload the weights from its buckets, refresh the tied heads -> its stats
+        (`_ws_account`)."""
         t0 = time.perf_counter()
         start = time.time()
-        busy_fraction = self._ws_busy / max(t0 - self._ws_since, 1e-9)  # since the last update
-        self._ws_busy = 0.0
-        self._ws_since = t0
-        prev, prev_stall, self._ws_stall = self._ws_stats, self._ws_stall, None
-        busy = self._ws_last_step is not None and t0 - self._ws_last_step < 1.0
-        self._ws_gap_from = self._ws_last_step if busy else None
         try:
             header = receive_header(self._ws_pg, self._ws_expected)
-            t_header, stats = time.perf_counter() - t0, {}
-            self.reload_weights(weights_iterator=iter_tensors(self._ws_pg, header, self._ws_buffers, stats))
-        except dist.DistError as e:  # gloo, and NCCL with blocking wait (init_group): a timeout or a lost peer
-            raise RuntimeError(f"the weight broadcast from trainer rank 0 failed ({e}); is trainer.py still "
-                               "running? the weight group's store is at sync.host:sync.port") from e
+            # the header's seconds on the wire; iter_tensors sets the buckets' (wait_s)
+            wire = {"header_s": time.perf_counter() - t0}
+            tensors = iter_tensors(self._ws_pg, header, self._ws_buffers, wire)
+            self.reload_weights(weights_iterator=tensors)
+        # gloo, and NCCL with blocking wait (init_group): a timeout or a lost peer
+        except dist.DistError as e:
+            raise RuntimeError(f"the weight broadcast from trainer rank 0 failed ({e}); is "
+                               "trainer.py still running? the weight group's store is at "
+                               "sync.host:sync.port") from e
         refresh_tied_heads(self._ws_tied_heads)
+        return self._ws_account(t0, start, header, wire["header_s"] + wire["wait_s"])
+
+    def _ws_account(self, t0: float, start: float, header: dict, wire_s: float) -> dict:
+        """The stats of an update that started at `t0` (perf_counter; `start` on time.time()) and
+        spent `wire_s` on the wire: version, seconds, bytes, wire_s, load_s (the rest of seconds);
+        busy: the fraction of the time since the previous update spent in decode steps;
+        prev_stall_s: the previous update's gap between decode steps (None if the engine was idle:
+        no step in the second before; or not decoding again yet) and prev_wire_load_s its seconds.
+        From here on the stall of this update is timed (_ws_timed)."""
         seconds = time.perf_counter() - t0
-        self._ws_stats = {"version": header["version"], "seconds": seconds, "bytes": sum(header["buckets"]),
-                          "wire_s": t_header + stats["wait_s"], "load_s": seconds - t_header - stats["wait_s"],
-                          # prev_wire_load_s: the previous update's wire + load
-                          "prev_stall_s": prev_stall, "prev_wire_load_s": prev.get("seconds"),
-                          "busy": busy_fraction}
+        self._ws_stats = {"version": header["version"], "seconds": seconds,
+                          "bytes": sum(header["buckets"]), "wire_s": wire_s,
+                          "load_s": seconds - wire_s, "prev_stall_s": self._ws_stall,
+                          "prev_wire_load_s": self._ws_stats.get("seconds"),
+                          "busy": self._ws_busy / max(t0 - self._ws_since, 1e-9)}
+        self._ws_busy = 0.0
+        self._ws_since = t0
+        self._ws_stall = None
+        decoding = self._ws_last_step is not None and t0 - self._ws_last_step < 1.0
+        self._ws_gap_from = self._ws_last_step if decoding else None
         self._ws_events.span("receive", start, version=header["version"],
                              wire_s=self._ws_stats["wire_s"], load_s=self._ws_stats["load_s"])
         return self._ws_stats

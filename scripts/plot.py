@@ -16,8 +16,9 @@ Writes PNGs and summary.md into --out (default: figures/ next to the first run):
   summary.md                  per setting: time and samples to a target test reward, lag, ESS, speed-up
 
     .venv/bin/python scripts/plot.py --timeline CONVENTIONAL_RUN PIPELINE_RUN --out docs/figures
-  timeline.png                the engine's occupancy h and tokens/s, one conventional RL step
-                              next to PipelineRL (the runs' events files; run.trace=true)
+  timeline.png                the engine's occupancy h and tokens/s, one conventional RL step (the
+                              one nearest mid-run that no evaluation overlaps) next to as many seconds
+                              of PipelineRL, on shared scales (the runs' events files; run.trace=true)
 
 Runs that differ only in run.seed (and run.dir, ports) are one *setting*: drawn as the mean over seeds
 with a band from the lowest to the highest seed; the legend names the schedule, its settings and the
@@ -487,44 +488,69 @@ def print_best_conventional(runs, target=None, k=1):
 
 def fig_timeline(conventional, pipeline, path):
     """The engine's occupancy h and tokens/s over one conventional RL step (between the ends of two
-    weight updates mid-run) next to as many seconds of the PipelineRL run (mid-run), from the runs'
-    events files (common.Events: the engine's >= 0.25 s buckets), with the trainer's steps below."""
+    weight updates mid-run; the one nearest the middle that no evaluation overlaps, if any: evaluation
+    adds its own sequences to h) next to as many seconds of the PipelineRL run (mid-run), from the runs'
+    events files (common.Events: the engine's >= 0.25 s buckets), with the trainer's steps below and
+    evaluation shaded. Both panels share their scales; each title gives the span's mean h and tokens/s.
+    -> the spans drawn: conventional_start, span, pipeline_start (time.time() seconds)."""
     import matplotlib.pyplot as plt
     from scripts.trace import read_events
 
     def records(run, prefix):
         files = sorted(Path(run).glob(f"events_{prefix}*.jsonl"))
         return [r for f in files for r in read_events(f)]
+
+    def evals(run):
+        return [(r[2], r[2] + r[3]) for r in records(run, "actor") if r[:2] == ["X", "eval"]]
     actor = records(conventional, "actor")
     updates = sorted(r[2] + r[3] for r in actor if r[:2] == ["X", "update"])
     if len(updates) < 3:
         sys.exit(f"[plot] {conventional}: fewer than 3 weight updates in its events files")
-    k = len(updates) // 2
-    start, span = updates[k - 1], updates[k] - updates[k - 1]
+    steps = list(zip(updates[:-1], updates[1:]))
+    middle = len(updates) // 2 - 1  # the step between updates[k - 1] and updates[k], k = len // 2
+    conv_evals = evals(conventional)
+    clean = [i for i, (a, b) in enumerate(steps) if not any(s < b and e > a for s, e in conv_evals)]
+    k = min(clean, key=lambda i: abs(i - middle)) if clean else middle
+    start, span = steps[k][0], steps[k][1] - steps[k][0]
     pipe_times = [r[2] for r in records(pipeline, "engine") if r[0] == "C"]
     if not pipe_times:
         sys.exit(f"[plot] {pipeline}: no engine counters in its events files (run.trace=false?)")
     pipe_start = (min(pipe_times) + max(pipe_times) - span) / 2
-    fig, axes = plt.subplots(2, 1, figsize=(8, 4.5), sharex=True)
-    for ax, run, t0, label in ((axes[0], conventional, start, "Conventional RL (one RL step)"),
-                               (axes[1], pipeline, pipe_start, "PipelineRL (same span, mid-run)")):
+    panels = []
+    for run, t0 in ((conventional, start), (pipeline, pipe_start)):
         engine = sorted((r[2], r[3]) for r in records(run, "engine") if r[:2] == ["C", "engine"])
         t = np.array([x[0] for x in engine]) - t0
+        h = np.array([x[1]["inflight"] for x in engine])
+        tps = np.array([x[1]["tokens_per_s"] for x in engine])
         keep = (t >= -1) & (t <= span + 1)
-        h = np.array([x[1]["inflight"] for x in engine])[keep]
-        ax.step(t[keep], h, where="post", color="C0", label="sequences in flight (h)")
+        # time-weighted means over [0, span]: each record holds until the next one
+        ends = np.clip(np.append(t[1:], t[-1]), 0, span)
+        dt = np.clip(ends - np.clip(t, 0, span), 0, None)
+        panels.append((run, t0, t[keep], h[keep], tps[keep], (h * dt).sum() / span, (tps * dt).sum() / span))
+    h_max = max(p[3].max(initial=1) for p in panels) * 1.05
+    tps_max = max(p[4].max(initial=1) for p in panels) * 1.05
+    fig, axes = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    names = (f"Conventional RL (one RL step, {span:.1f} s)", "PipelineRL (as many seconds, mid-run)")
+    for ax, (run, t0, t, h, tps, h_mean, tps_mean), name in zip(axes, panels, names):
+        for s, e in evals(run):
+            if e - t0 > 0 and s - t0 < span:
+                ax.axvspan(max(s - t0, 0), min(e - t0, span), color="0.85", lw=0, zorder=0)
+        ax.step(t, h, where="post", color="C0", label="sequences in flight (h)")
         ax.set_ylabel("h", color="C0")
+        ax.set_ylim(0, h_max)
         ax2 = ax.twinx()
-        tps = np.array([x[1]["tokens_per_s"] for x in engine])[keep]
-        ax2.step(t[keep], tps, where="post", color="C1", alpha=0.7, label="tokens/s")
+        ax2.step(t, tps, where="post", color="C1", alpha=0.7, label="tokens/s")
         ax2.set_ylabel("engine tokens/s", color="C1")
+        ax2.set_ylim(0, tps_max)
         for r in records(run, "trainer0"):
             if r[0] == "X" and r[1].startswith("step/"):
                 ax.axvspan(r[2] - t0, r[2] + r[3] - t0, ymin=0, ymax=0.06, color="C2", lw=0)
-        ax.set_title(label + "; green: trainer steps", fontsize=9)
+        ax.set_title(f"{name}: mean h {h_mean:.0f}, {tps_mean:.0f} tokens/s; green: trainer steps, "
+                     "grey: evaluation running", fontsize=8.5)
         ax.set_xlim(0, span)
     axes[1].set_xlabel("seconds")
     finish(fig, path)
+    return {"conventional_start": start, "span": span, "pipeline_start": pipe_start}
 
 
 def main(argv=None):

@@ -341,8 +341,8 @@ def test_prompt_ids_are_the_engines_own_tokenization(env):
 def test_top_p_importance_weights_are_one_on_policy(env):
     """actor.top_p=0.9: vLLM's μ is the nucleus-renormalised probability (processed_logprobs). The trainer's
     π (loss.completion_logprobs with the same top_p, on the same weights) must describe the same
-    distribution: on-policy w = π/μ = 1 within 1e-4 (fp32 both sides, as above). The full softmax, what
-    the trainer used before issue 13, is off by log(nucleus mass) ~ -0.1 here (w ~ 0.9)."""
+    distribution: on-policy w = π/μ = 1 within 1e-4 (fp32 both sides, as above). The full softmax, which
+    the trainer used before it cut the nucleus too, is off by log(nucleus mass) ~ -0.1 here (w ~ 0.9)."""
     import loss
     from transformers import Qwen2ForCausalLM
     version = load(env, env["sd"])
@@ -412,6 +412,13 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False, proc_index=0):
         while th.is_alive():
             await asyncio.sleep(0.05)
         deadline = time.time() + 120  # the budget is spent: in-flight groups finish, nothing new starts
+        # The trainer's last version raises the budget once the actor has taken it: wait for that,
+        # or groups it admits afterwards would be cut off by the stop (a race seen on a loaded host).
+        store = env["store"]
+        last = store.get(f"announce/{store.add('announced', 0)}").decode()
+        while last.isdigit() and st.version < int(last) and "error" not in result and time.time() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # the loop admits right after an update
         while st.inflight and "error" not in result and time.time() < deadline:
             await asyncio.sleep(0.05)  # (a fixed 5 s here failed on a loaded CI machine: 5 of 56 unfinished)
         for _ in range(6 if not ends_itself else 200):
@@ -577,8 +584,8 @@ def _pull_training(pull, n, evals=None, timeout_s=60):
 def test_dropped_samples_are_given_back_lag_bounded(env):
     """max_lag=0: the actor may start exactly B samples per version. The trainer drops a group of every
     batch (as the verifier does with zero-advantage groups) and reports it through the store; the actor
-    must start a replacement, or the trainer waits forever (issue 13). Runs as actor process 1 with
-    actor.eval_every=1: only process 0 evaluates, so no evaluation rollout may appear."""
+    must start a replacement, or the trainer waits forever for samples never started. Runs as actor
+    process 1 with actor.eval_every=1: only process 0 evaluates, so no evaluation rollout may appear."""
     B, gs, steps = 8, 4, 4
     cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=0",
                    "actor.max_tokens=24", "actor.eval_every=1", "data.test_size=8")
@@ -605,7 +612,7 @@ def test_evaluation_spans_an_update_without_delaying_it(env):
     """Order of events, no clock: the trainer announces version v1 as soon as the evaluation at v0 has
     started (its first rollout arrived). The update must land while the evaluation still runs: later
     evaluation rollouts carry v1 tokens, and training rollouts sampled by v1 arrive before the
-    evaluation's last one. (Before issue 12 the update waited for the evaluation: all its tokens v0.)"""
+    evaluation's last one. (When the update waited for the evaluation in flight, all its tokens were v0.)"""
     n_test = 24
     cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=3",
                    "actor.max_tokens=32", "actor.max_inflight=16", "actor.eval_every=1", f"data.test_size={n_test}")
@@ -630,9 +637,30 @@ def test_evaluation_spans_an_update_without_delaying_it(env):
     assert v1_training and v1_training[0] < first_pass[-1][0]
 
 
+def test_first_evaluation_waits_for_the_first_batch(env):
+    """The first evaluation pass starts only once the trainer's first batch (B training samples) has
+    been pushed: its requests never compete with the samples the trainer is waiting for."""
+    n_test, B = 8, 8
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=2",
+                   "actor.max_tokens=32", "actor.max_inflight=16", "actor.eval_every=1",
+                   f"data.test_size={n_test}", f"trainer.batch_size={B}")
+    events = []
+
+    def trainer(pull, st):
+        env["trainer"].send(env["sd"])
+        while len([h for h, _ in events if h["eval"]]) < n_test:
+            events.extend(_pull(pull, 1))
+
+    _run_loop(env, cfg, trainer)
+    training_ends = sorted(h["t_end"] for h, _ in events if not h["eval"])
+    first_eval = min(h["t_start"] for h, _ in events if h["eval"])
+    assert len(training_ends) >= B
+    assert first_eval >= training_ends[B - 1], "the first evaluation started before the first batch"
+
+
 def test_backpressure_does_not_block_the_loop(env):
     """Nobody reads the rollouts: ZMQ's queue fills (SNDHWM 1000) and every push waits. The actor's loop
-    must still take an announced update and stop when asked (a blocking send froze it: issue 13)."""
+    must still take an announced update and stop when asked (a blocking send froze it)."""
     cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=400",
                    "actor.max_tokens=2", "actor.max_inflight=32")  # nothing binds ports.rollouts
     st, stop = actor.ActorState(), asyncio.Event()
@@ -734,7 +762,8 @@ def test_admission_budgets_hand_worked():
     assert actor.admit(pipe, st, 1)  # (7-5+1+1)*8 = 32: 28+4 fits
     st.started = 32
     assert not actor.admit(pipe, st, 1)
-    st.groups = {0: [6, 4]}  # a group started at version 6 is still running: u_min = 6 -> 24
+    # a group started at version 6 is still running: u_min = 6 -> 24
+    st.groups = {0: actor.Group(version=6, left=4, engine=0)}
     st.started, st.dropped = 24, 4  # 4 of them were dropped: 20 delivered
     assert actor.admit(pipe, st, 1) and not actor.admit(pipe, st, 2)  # two processes: 12 each
     conv = cfg("actor.schedule=conventional", "actor.G_steps=4", "actor.max_lag=3")

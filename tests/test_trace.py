@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import common
 from actor import token_lags
@@ -208,3 +209,50 @@ def test_timeline_figure_from_synthetic_events(tmp_path):
     plot.main(["--timeline", str(tmp_path / "conv"), str(tmp_path / "pipe"),
                "--out", str(tmp_path / "fig")])
     assert (tmp_path / "fig" / "timeline.png").stat().st_size > 0
+
+
+def test_timeline_picks_an_rl_step_no_evaluation_overlaps(tmp_path):
+    """The conventional RL step drawn is the one nearest the middle that no evaluation overlaps (an
+    evaluation adds its own sequences to h); with none free, the middle one."""
+    from scripts import plot
+    for name, updates, evals in (("conv", [10.0, 20.0, 30.0, 40.0, 50.0], [(21.0, 33.0)]),
+                                 ("busy", [10.0, 20.0, 30.0], [(5.0, 35.0)]), ("pipe", [], [])):
+        run = tmp_path / name
+        run.mkdir()
+        ev = common.Events(run, "actor0")
+        for t in updates:
+            ev.span("update", t - 0.1, end=t)
+        for s, e in evals:
+            ev.span("eval", s, end=e, version=0)
+        ev.flush()
+        ev = common.Events(run, "engine1")
+        for i in range(240):
+            ev.counter("engine", i * 0.25, busy=1.0, inflight=100.0, tokens_per_s=1000.0)
+        ev.flush()
+    # steps [10, 20], [20, 30], [30, 40], [40, 50]: the middle one ([20, 30]) and [30, 40] hold the
+    # evaluation; [10, 20] is the nearest free one
+    drawn = plot.main(["--timeline", str(tmp_path / "conv"), str(tmp_path / "pipe"), "--out", str(tmp_path / "a")])
+    assert (drawn["conventional_start"], drawn["span"]) == pytest.approx((10.0, 10.0))
+    assert (tmp_path / "a" / "timeline.png").stat().st_size > 0
+    drawn = plot.main(["--timeline", str(tmp_path / "busy"), str(tmp_path / "pipe"), "--out", str(tmp_path / "b")])
+    assert (drawn["conventional_start"], drawn["span"]) == pytest.approx((10.0, 10.0))  # the middle one
+
+
+def test_bench_trace_bounds_the_recording_cost(tmp_path, capsys):
+    """bench/bench_trace.py: a run's record rate times the measured cost of one record. On a
+    synthetic run of 10 s with 40 engine counters (4 a second, h=100 at 3,000 tokens/s: 30 decode
+    steps a second) the rate and the step rate it reports are those."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_trace
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [json.dumps(["M", "host", 1])]
+    lines += [json.dumps(["C", "engine", 1000.0 + i * 0.25, {"busy": 0.9, "inflight": 100.0,
+                                                                "tokens_per_s": 3000.0}])
+              for i in range(41)]
+    (run / "events_engine1.jsonl").write_text("\n".join(lines) + "\n")
+    bench_trace.main([str(run)])
+    out = capsys.readouterr().out
+    assert "events_engine1.jsonl: 4.1 records/s, 30 decode steps/s" in out, out
+    fraction = float(out.strip().splitlines()[-1].split()[1].rstrip("%"))
+    assert 0 < fraction < 1, out
