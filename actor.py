@@ -460,10 +460,6 @@ class Actor:
             wire_s = max(worker["wire_s"] for worker in stats)
             load_s = max(worker["load_s"] for worker in stats)
             self.events.span("update", start, version=version, wire_s=wire_s, load_s=load_s)
-            st.version = version
-            st.updates += 1
-            # before the next update changes the weights again
-            await self.verify(version)
             # the engines' busy fraction since the update before
             busy = float(np.mean([worker["busy"] for worker in stats]))
             self.note(pause_s=pause_s, wire_s=wire_s, load_s=load_s, engine_busy=busy)
@@ -473,6 +469,11 @@ class Actor:
             if stalls:
                 stall_s, stall_wire_load_s = max(stalls)
                 self.note(stall_s=stall_s, stall_wire_load_s=stall_wire_load_s)
+            # in the same log line as its timings: verify awaits, and the loop may log meanwhile
+            st.version = version
+            st.updates += 1
+            # before the next update changes the weights again
+            await self.verify(version)
             if cfg.actor.schedule == "conventional":
                 st.started = 0
                 st.dropped_at_update = st.dropped

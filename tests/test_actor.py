@@ -930,6 +930,44 @@ def test_update_waits_for_the_pause_not_for_a_drain(env):
     assert (outs[-1]["versions"] == v_b).any()  # the long one crossed the update
 
 
+def test_an_update_is_logged_with_its_timings(env, monkeypatch):
+    """A log line that counts an update also holds that update's pause. With the weight check on,
+    the update task awaits the probe after taking the weights, and the loop may log meanwhile (here
+    it logs at every turn: run.log_every=0.001). When the timings were noted after the check, that
+    line counted the update without them, and they went to a later line that a short run may never
+    write (seen in a 4-step run.sh run: `updates=1`, pause 0, then the run ended)."""
+    import trainer
+    from transformers import Qwen2ForCausalLM
+    model = Qwen2ForCausalLM.from_pretrained(env["model_dir"], dtype=torch.float32)
+    model.load_state_dict(env["sd"], strict=False)
+    probe = json.dumps(trainer.probe_logprobs(
+        trainer.build_state(env["cfg"], torch.device("cpu"), model=model), env["cfg"]))
+    lines = []
+    original = common.log
+
+    def log(role, metrics, step):
+        if role == "actor":
+            lines.append(dict(metrics))
+        original(role, metrics, step)
+    monkeypatch.setattr(common, "log", log)
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=1",
+                   "actor.max_tokens=16", "actor.max_inflight=16", "sync.verify_every=1",
+                   "run.log_every=0.001")
+
+    def trainer_fn(pull, st):
+        for step in range(4):
+            env["store"].set(f"probe/{env['trainer'].version + 1}", probe)
+            env["trainer"].send(env["sd"])
+            if step < 3:
+                _pull(pull, 8)
+
+    _run_loop(env, cfg, trainer_fn)
+    counted = [(a, b) for a, b in zip(lines, lines[1:]) if b["updates"] > a["updates"]]
+    assert len(counted) >= 2, lines
+    for before, line in counted:
+        assert line["pause_s_max"] > 0, (before, line)
+
+
 def test_a_tensor_that_does_not_take_effect_is_caught(env):
     """actor.verify_weights: after an update each engine's logprobs of the trainer's probe sequence must
     match trainer.probe_logprobs for that version. A worker whose loader skips one received tensor (as vLLM's
