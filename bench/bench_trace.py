@@ -10,7 +10,6 @@ one record (common.Events: a list append, a JSON line written once a second), pl
 the bookkeeping of every decode step (weights_sync.WeightUpdateExtension._ws_step: a few float
 additions per step, measured on a bare instance), as a fraction of one core's time. Prints one line
 per track and the largest fraction."""
-import json
 import os
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+from scripts.trace import read_events  # noqa: E402
 from weights_sync import WeightUpdateExtension  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main(run_dirs):
     worst = 0.0
     for run in map(Path, run_dirs):
         for path in sorted(run.glob("events_*.jsonl")):
-            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            records = read_events(path)
             times = [r[2] for r in records if r[0] in ("X", "C")]
             if len(times) < 2:
                 continue
