@@ -7,8 +7,8 @@ room to improve.
 arithmetic (the default demo): assets/tiny-model, band 38-45%. longtail (configs/longtail.yaml):
 assets/tiny-longtail, band 35-45%, one thread, then 1,024 completions sampled at temperature 1 whose
 length statistics go into the model's warmstart.json. run.sh builds the model its config names when
-its COMPLETE file is missing; a build that ends outside the band writes no COMPLETE and exits with
-code 1. Deterministic from the seed on a given thread count. Tests import `make_tokenizer`,
+its COMPLETE file is missing; a build that ends outside the band (or, longtail, whose samples lack
+the long tail: has_long_tail) writes no COMPLETE and exits with code 1. Deterministic from the seed on a given thread count. Tests import `make_tokenizer`,
 `tiny_config` and `random_model_dir` from here to build models in seconds.
 
 Why a byte-level BPE with no merges: with `model_type: qwen2`, AutoTokenizer builds a Qwen2Tokenizer
@@ -221,6 +221,12 @@ def sample_lengths(model, tokenizer, problems, max_new_tokens, seed=0, batch=128
             "accuracy": correct / len(lengths)}
 
 
+def has_long_tail(lengths) -> bool:
+    """The length statistics of sample_lengths show the long tail the longtail task exists for: the
+    p90 at least 3x the median, the longest at least 8x. A build without it is not marked COMPLETE."""
+    return lengths["p90"] >= 3 * lengths["p50"] and lengths["max"] >= 8 * lengths["p50"]
+
+
 def band_step(acc, band) -> str:
     """What the build does after an evaluation: "stop" inside the band; "rewind" above it (back to
     the last state evaluated below it, then evaluate every step at half the lr: the band is narrower
@@ -298,8 +304,9 @@ def warm_start(out_dir, task="arithmetic", seed=0, band=None, max_seconds=None, 
         problems = [stream.get(i) for i in range(spec["length_samples"])]
         lengths = sample_lengths(model, tokenizer, problems, spec["max_new_tokens"], seed)
         info["samples_T1"] = lengths
+        info["long_tail"] = has_long_tail(lengths)
     (Path(out_dir) / "warmstart.json").write_text(json.dumps(info, indent=1))
-    if info["in_band"]:
+    if info["in_band"] and info.get("long_tail", True):
         (Path(out_dir) / "COMPLETE").write_text("ok\n")
     return info
 
@@ -322,6 +329,9 @@ if __name__ == "__main__":
           f"{info['seconds']} s")
     if "samples_T1" in info:
         print(f"[make_tiny_model] completion lengths at temperature 1: {info['samples_T1']}")
+    if not info.get("long_tail", True):
+        sys.exit(f"[make_tiny_model] the samples have no long tail (p90 >= 3x and max >= 8x the "
+                 f"median): {info['samples_T1']}; {out} is not marked COMPLETE")
     if not info["in_band"]:
         sys.exit(f"[make_tiny_model] greedy test accuracy {info['greedy_test_accuracy']:.1%} is "
                  f"outside the band {info['band']}: {out} is not marked COMPLETE (run.sh builds "

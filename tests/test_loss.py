@@ -188,6 +188,15 @@ def test_ess_matches_direct_computation():
     assert L.ess(0.0, 0.0, 0) == 1.0 and L.ess(0.0, 0.0, 5) == 1.0
 
 
+def test_ess_is_at_most_one_when_rounding_would_lift_it():
+    """All w = 1 in fp32, summed over many tokens: Σw and Σw² round apart (a CI run logged ESS
+    1.000000004 at lag 0). ESS <= 1 exactly, as (6) promises."""
+    w = torch.ones(1000, dtype=torch.float32) * (1 + 1e-7)
+    assert (w.sum().double() ** 2 / (1000 * (w**2).sum().double())).item() > 1  # rounding lifts it
+    assert L.ess(w.sum(), (w**2).sum(), 1000) == 1.0
+    assert L.ess(3.0000001, 3.0, 3) == 1.0
+
+
 # --- (2)-(3) logprobs and entropy ---------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_completion_logprobs_match_categorical(temperature):
