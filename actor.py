@@ -37,6 +37,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from unittest import mock
 
 import numpy as np
 
@@ -118,12 +119,11 @@ def start_engines(cfg, proc_index: int = 0) -> list:
     every_gpu = ",".join(map(str, range(torch.cuda.device_count())))
     gpus = (cfg.actor.gpus or before or every_gpu).split(",")
     engines = []
-    for e in range(cfg.actor.engines):
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[e * cfg.actor.tp:(e + 1) * cfg.actor.tp])
-        engines.append(AsyncLLM.from_engine_args(engine_args(cfg, proc_index)))
-    os.environ.pop("CUDA_VISIBLE_DEVICES")
-    if before is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = before
+    with mock.patch.dict(os.environ):  # CUDA_VISIBLE_DEVICES as it was on the way out
+        for e in range(cfg.actor.engines):
+            mine = gpus[e * cfg.actor.tp:(e + 1) * cfg.actor.tp]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+            engines.append(AsyncLLM.from_engine_args(engine_args(cfg, proc_index)))
     return engines
 
 async def join_weight_group(cfg, engines, proc_index: int = 0):
@@ -341,8 +341,7 @@ def admit(cfg, st: ActorState, procs: int) -> bool:
 
 def least_loaded(st: ActorState, engines: int) -> int:
     """The engine with the fewest training samples in flight."""
-    load = lambda e: sum(g.left for g in st.groups.values() if g.engine == e)  # noqa: E731
-    return min(range(engines), key=load)
+    return min(range(engines), key=lambda e: sum(g.left for g in st.groups.values() if g.engine == e))
 
 # --- the loop (Algorithm 2) -----------------------------------------------------------------------
 

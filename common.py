@@ -161,14 +161,12 @@ def validate(cfg: Config):
             values = value if isinstance(value, tuple) else (value,)  # trainer.betas: a tuple
             if any(isinstance(v, float) and not math.isfinite(v) for v in values):
                 raise ConfigError(f"{sec}.{key}={value}: must be a finite number")
-    for sec, bounds in MINIMUMS.items():
-        for key, low in bounds.items():
-            if (value := getattr(getattr(cfg, sec), key)) < low:
-                raise ConfigError(f"{sec}.{key}={value}: must be >= {low}")
-    for sec, keys in POSITIVE.items():
-        for key in keys:
-            if (value := getattr(getattr(cfg, sec), key)) <= 0:
-                raise ConfigError(f"{sec}.{key}={value}: must be > 0")
+    bounds = [(sec, key, ">=", low) for sec, keys in MINIMUMS.items() for key, low in keys.items()]
+    bounds += [(sec, key, ">", 0) for sec, keys in POSITIVE.items() for key in keys]
+    for sec, key, op, bound in bounds:
+        value = getattr(getattr(cfg, sec), key)
+        if not (value > bound if op == ">" else value >= bound):
+            raise ConfigError(f"{sec}.{key}={value}: must be {op} {bound}")
     for broken, message in _rules(cfg):
         if broken:
             raise ConfigError(message)
@@ -267,14 +265,15 @@ _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float64
 _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, "answer": str,
             "finish_reason": str, "t_start": float, "t_end": float, "proc": int, "eval": bool}
 _ARRAYS = {"prompt_ids": "int32", "completion_ids": "int32", "logprobs": "float32", "versions": "int32"}
-SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS),
-           "sample": ({**_ROLLOUT, "reward": float, "status": str, "advantage": float}, _ARRAYS)}
+# seq: the verifier's count of the samples it sent, in send order (trainer.settle_samples)
+_SAMPLE = {**_ROLLOUT, "reward": float, "status": str, "advantage": float, "seq": int}
+SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS), "sample": (_SAMPLE, _ARRAYS)}
 # Size caps. A header is ~300 bytes (a long math answer adds a few KiB). A frame is one sequence's
 # tokens at 4 bytes each: 16 MiB holds 4M tokens. Anything bigger is a bug or an attack.
 MAX_HEADER_BYTES = 64 * 2**10
 MAX_FRAME_BYTES = 16 * 2**20
-# Header ids and counts (group_id, sample_idx, group_size, proc) are non-negative and fit in int32:
-# the trainer sums them in float64 and the store adds them as int64, exactly.
+# Header ids and counts (group_id, sample_idx, group_size, proc, seq) are non-negative and fit in
+# int32: the trainer sums them in float64 and the store adds them as int64, exactly.
 _MAX_ID = 2**31 - 1
 _WHAT = {bool: "true or false", int: f"an integer in [0, {_MAX_ID}]", float: "a finite number",
          str: "a string"}

@@ -236,6 +236,5 @@ def format_prompt(problem: Problem, tokenizer=None, prompt_format: str = "plain"
     if prompt_format == "plain":
         return problem.prompt
     ask = "Please reason step by step, and put your final answer within \\boxed{}."
-    content = f"{problem.prompt}\n{ask}"
-    messages = [{"role": "user", "content": content}]
+    messages = [{"role": "user", "content": f"{problem.prompt}\n{ask}"}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -1,14 +1,16 @@
 """Trainer: hand-written FSDP over torchrun ranks; pulls samples, packs, steps, sends weights,
 checkpoints.
 
-Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage), ZMQ PULL from the verifier
-          at ports.host:ports.samples; each rank pulls its B/W sequences per step
+Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage, seq), ZMQ PULL from the
+          verifier at ports.host:ports.samples; each rank pulls its B/W sequences per step
           (B = trainer.batch_size).
 Produces  (1) the weights after every optimizer step (every actor.G_steps, conventional) to the
           weight group (weights_sync.py), version = optimizer steps taken;
           (2) <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer, optim-rank{r}.pt,
           trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and samples_trainer.jsonl
-          (rank 0's sequences per step: group ids, per-token versions run-length coded [v, n]).
+          (rank 0's sequences per step: group ids, per-token versions run-length coded [v, n]);
+          (4) once a step, the samples the verifier sent that never arrived, given back to the
+          actors' budgets (settle_samples: store keys dropped/<proc>).
 Run alone (a verifier pushes samples, the actor's vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
 `python trainer.py` without torchrun runs one rank with no process group (every collective is a
@@ -86,6 +88,14 @@ def all_reduce(t, op=dist.ReduceOp.SUM):
 def all_max(values: list, device, dtype=None) -> list:
     """The element-wise maxima of `values` over all ranks (sync: one all-reduce)."""
     return all_reduce(torch.tensor(values, dtype=dtype, device=device), dist.ReduceOp.MAX).tolist()
+
+def all_gather_ints(values: list, device) -> list:
+    """Every rank's list of non-negative ints, in rank order (sync: two all-reduces)."""
+    n = all_max([len(values)], device)[0]
+    # row r: rank r's values, -1 elsewhere, so that the maximum over ranks fills every row
+    rows = torch.full((world(), n), -1, dtype=torch.int64, device=device)
+    rows[rank(), :len(values)] = torch.tensor(values, dtype=torch.int64)
+    return [[i for i in row.tolist() if i >= 0] for row in all_reduce(rows, dist.ReduceOp.MAX)]
 
 def barrier():
     if world() > 1:
@@ -391,6 +401,10 @@ class TrainState:
     # seen)
     beats: dict = field(default_factory=dict)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
+    # rank 0 (settle_samples): actor process -> seqs received from its watermark on; each rank's
+    # highest seq of each process ((rank, proc) -> seq)
+    received: dict = field(default_factory=dict)
+    highest: dict = field(default_factory=dict)
     # this rank's timeline (main sets it; run.trace): a disabled one records nothing
     events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
 
@@ -415,9 +429,8 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
             torch.set_rng_state(sds[0]["rng_cpu"])
             if device.type == "cuda":
                 torch.cuda.set_rng_state(sds[0]["rng_cuda"])
-        for key in ("step", "max_group_id", "samples"):  # the counters, saved under their names
+        for key in ("step", "max_group_id", "samples", "skipped"):  # saved under their names
             setattr(state, key, meta[key])
-        state.skipped = meta.get("skipped", 0)
         # older checkpoints: none
         state.trained_below = meta.get("trained_below", state.max_group_id + 1)
         state.trained = set(meta.get("trained_above", []))
@@ -648,18 +661,8 @@ def untrained_groups(state) -> list:
     """Group ids below max_group_id that no rank trained on: in flight (or dropped) when the
     checkpoint was taken. Groups complete out of order, and the slow ones are the long
     completions: a resume that went on after max_group_id alone would skip them for good. Also
-    prunes `trained` to the ids above the first one. All ranks call it (sync: one all-reduce and
-    one all-gather)."""
-    device = state.fsdp.device
-    mine = sorted(state.trained)  # this rank's ids
-    n = all_max([len(mine)], device)[0]
-    # [n] this rank's ids padded with -1: every rank sends as many
-    padded = torch.tensor(mine + [-1] * (n - len(mine)), dtype=torch.int64, device=device)
-    gathered = [padded]
-    if world() > 1:
-        gathered = [torch.empty_like(padded) for _ in range(world())]
-        dist.all_gather(gathered, padded)
-    state.trained = {int(i) for t in gathered for i in t.tolist() if i >= 0}
+    prunes `trained` to the ids above the first one. All ranks call it (sync: all_gather_ints)."""
+    state.trained = set().union(*all_gather_ints(sorted(state.trained), state.fsdp.device))
     missing = untrained(state)
     state.trained_below = missing[0] if missing else state.max_group_id + 1
     state.trained = {i for i in state.trained if i >= state.trained_below}
@@ -718,19 +721,18 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
 
 # --- samples --------------------------------------------------------------------------------------
 
-def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
+def pull_samples(sock, n, state, cfg, addr, vocab_size, store):
     """Block until this rank holds n samples. -> (samples, seconds waited). A malformed one (bad
-    schema, non-finite numbers, ids outside the vocabulary) is dropped, counted, and given back to
-    its actor's admission budget through the store (key dropped/<proc>), so that the actor
-    replaces it."""
+    schema, non-finite numbers, ids outside the vocabulary) is dropped and counted; no rank trains
+    on its seq, so settle_samples finds it lost: the verifier gives it back to its actor's
+    admission budget."""
     out, waited, last = [], 0.0, time.time()  # waited: seconds in sock.poll; last: the last arrival
     while len(out) < n:
         t0 = time.time()
         ready = sock.poll(1000)
         waited += time.time() - t0
         if not ready:
-            if store is not None:
-                watch_actors(store, cfg, state)
+            watch_actors(store, cfg, state)
             if time.time() - last > cfg.run.peer_timeout_s:
                 sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
                          f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(out)} of {n} "
@@ -746,12 +748,35 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, store=None):
         except common.WireError as e:
             state.malformed += 1
             print(f"[trainer] rank {rank()}: dropped a malformed sample ({e})", flush=True)
-            proc = common.peek_header(frames).get("proc")
-            if store is not None and isinstance(proc, int):
-                store.add(f"dropped/{proc}", 1)
             continue
         out.append({**header, **arrays})
     return out, waited
+
+def settle_samples(state, samples, store):
+    """Give back to the actors' budgets (dropped/<proc>) the samples the verifier sent that never
+    arrived intact at any rank; all ranks call it once a step with their share. The verifier
+    numbers each actor process's samples in send order (`seq`), and a ZMQ pipe is first in, first
+    out (a reconnected rank's new one carries newer seqs): once every rank has received a sample
+    of process p numbered above s, p's sample s never arrives (a rank's connection dropped with it
+    queued, or it came malformed). Judged from the first seq of p this process received: a
+    restarted trainer says nothing of what was sent before it."""
+    # sync: every rank's (proc, seq) pairs of this step, flat
+    pairs = [v for s in samples for v in (int(s["proc"]), int(s["seq"]))]
+    gathered = all_gather_ints(pairs, state.fsdp.device)
+    if not is_main():
+        return
+    for r, flat in enumerate(gathered):
+        for proc, seq in zip(flat[::2], flat[1::2]):
+            state.received.setdefault(proc, set()).add(seq)
+            state.highest[r, proc] = max(state.highest.get((r, proc), -1), seq)
+    for proc, received in state.received.items():
+        # every seq of p below it arrived or never will (-1 while a rank has none of p's)
+        watermark = min(state.highest.get((r, proc), -1) for r in range(world()))
+        lost = [s for s in range(min(received), watermark) if s not in received]
+        state.received[proc] = {s for s in received if s >= watermark}
+        if lost:
+            store.add(f"dropped/{proc}", len(lost))
+            print(f"[trainer] lost {len(lost)} samples of actor {proc}: given back", flush=True)
 
 def watch_actors(store, cfg, state):
     """Note when each actor's heartbeat (store key alive/<p>: its clock and host, rewritten every
@@ -766,8 +791,6 @@ def watch_actors(store, cfg, state):
 def waiting_for(store, cfg, state) -> str:
     """For error messages: actors whose heartbeat did not change for over half of run.peer_timeout_s
     (watch_actors), what they started and what was dropped on the way."""
-    if store is None:
-        return "is verifier.py running?"
     watch_actors(store, cfg, state)
     lost, now = [], time.monotonic()
     for p in range(cfg.actor_procs):
@@ -801,11 +824,9 @@ def main():
 
     # The store first: the actor waits for it before starting its engines, so not for this model's
     # load too.
-    sender = store = None
-    # the other ranks report the samples they drop (pull_samples) on the same store
-    if cfg.weight_world > 1:
-        store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, is_main(),
-                                          cfg.sync.timeout_s)
+    sender = None
+    # rank 0 hosts it; every rank reads the actors' heartbeats there (pull_samples)
+    store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, is_main(), cfg.sync.timeout_s)
 
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
     ckpt = latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
@@ -822,7 +843,7 @@ def main():
             tokenizer = AutoTokenizer.from_pretrained(src)
 
     # --- weight group (trainer rank 0 + every vLLM worker): version 0 or the checkpoint's first ---
-    if is_main() and store is not None:
+    if is_main():
         # The actor's first prompts: the groups below the last trained one that were not trained on
         # (in flight when the checkpoint was taken), then the groups after it.
         store.set("untrained", ",".join(str(i) for i in untrained(state)))
@@ -861,6 +882,7 @@ def main():
             batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
         samples = batches.pop(0)
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
+        settle_samples(state, samples, store)
         # The weights go out in pipeline mode after every applied step; conventional: once per RL
         # step (G_steps steps), even when its last step was skipped (the actor waits for this
         # broadcast to start the next RL step).
@@ -895,9 +917,9 @@ def main():
         while store.add("done_ack", 0) < cfg.actor_procs and time.time() < deadline:
             time.sleep(0.1)
     if is_main():
-        summary = {"done": 1, "steps": state.step, "samples_total": state.samples,
-                   "wall_s": time.time() - t_start, "malformed": state.malformed}
-        common.log("trainer", summary, state.step)
+        common.log("trainer", {"done": 1, "steps": state.step, "samples_total": state.samples,
+                               "wall_s": time.time() - t_start, "malformed": state.malformed},
+                   state.step)
     sock.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -3,10 +3,12 @@
 Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor
           (common.SCHEMAS).
 Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group,
-          for the trainer ranks; an evaluation pass (`eval`: true) becomes a line of
-          <run.dir>/eval.jsonl instead. Dropped groups (zero-advantage when asked, malformed;
-          never a slow one) go back to their actor's admission budget through the trainer's store
-          (dropped/<proc>). Metrics: metrics_verifier.jsonl.
+          for the trainer ranks, numbered per actor process in send order (`seq`: the trainer
+          finds the ones that never arrived, trainer.settle_samples); an evaluation pass
+          (`eval`: true) becomes a line of <run.dir>/eval.jsonl instead. Dropped groups
+          (zero-advantage when asked, malformed; never a slow one) go back to their actor's
+          admission budget through the trainer's store (dropped/<proc>). Metrics:
+          metrics_verifier.jsonl.
 Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports.rollouts, PULL
             samples from ports.samples; a drop needs the trainer's store at sync.host:sync.port)
 
@@ -22,6 +24,7 @@ Deliberate simplifications:
  4. Late duplicates of a forwarded or dropped group are recognised for the last 100k groups only.
 """
 import contextlib
+import itertools
 import json
 import os
 import select
@@ -29,7 +32,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 
 import numpy as np
 import torch
@@ -181,6 +184,8 @@ class State:
         self.finished = OrderedDict()  # keys forwarded or dropped (simplification 4)
         self.scoring = {}  # pool ticket -> (key, header, arrays)
         self.outbox = deque()  # encoded samples waiting for a trainer rank
+        # actor process -> the count of its samples (`seq`)
+        self.seqs = defaultdict(itertools.count)
         self.counts = dict.fromkeys(["groups_forwarded", "zero_adv_groups", "dropped_groups",
                                      "dropped_samples", "duplicates", "malformed", "slow_groups",
                                      "evaluations", *(f"status_{s}" for s in tasks.STATUSES)], 0)
@@ -266,7 +271,9 @@ def complete(state: State, key):
         state.counts["zero_adv_groups"] += 1
         if state.cfg.verifier.drop_zero_adv_groups:
             return state.drop(key, group["proc"], group["size"])
-    state.outbox.extend(common.encode({**h, "advantage": adv}, a) for (h, a), adv in zip(members, advantages))
+    seqs = state.seqs[group["proc"]]  # in send order: the outbox is first in, first out
+    for (h, a), adv in zip(members, advantages):
+        state.outbox.append(common.encode({**h, "advantage": adv, "seq": next(seqs)}, a))
     state.counts["groups_forwarded"] += 1
 
 def log_window(state: State, pool, now):
@@ -350,7 +357,8 @@ def main():
         # A slow group is not a lost one: with a long tail of lengths its last sample may come
         # minutes after its first, and dropping it would train only on the problems answered
         # quickly (and lose an evaluation pass). A sample is known lost only when it arrives
-        # malformed (`receive` drops its group) or when a role dies, which ends the run.
+        # malformed (`receive` drops its group), when the trainer finds that it never arrived
+        # (trainer.settle_samples), or when a role dies, which ends the run.
         now = time.monotonic()
         if now - state.window["t"] >= cfg.run.log_every:
             for key, group in state.open.items():

@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -66,15 +67,9 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
     # Blocking wait for this group only (read when a group is built): a collective that outlives
     # timeout_s then raises in the waiting thread, which names the weight group, as gloo does. By
     # default NCCL's watchdog would abort the whole process instead, with no word on what to check.
-    before = os.environ.get("TORCH_NCCL_BLOCKING_WAIT")
-    os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
-    try:
+    # (the environment is restored as it was on the way out)
+    with mock.patch.dict(os.environ, {"TORCH_NCCL_BLOCKING_WAIT": "1"}):
         return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-    finally:
-        if before is None:
-            os.environ.pop("TORCH_NCCL_BLOCKING_WAIT")
-        else:
-            os.environ["TORCH_NCCL_BLOCKING_WAIT"] = before
 
 def _device(pg) -> torch.device:
     return torch.device(f"cuda:{torch.cuda.current_device()}" if pg.name() == "nccl" else "cpu")
@@ -400,9 +395,8 @@ class WeightUpdateExtension:
     def _ws_emit(self, end: float):
         start, busy, steps, sequences, _ = self._ws_bucket
         seconds = max(end - start, 1e-9)
-        inflight = sequences / max(steps, 1)
-        self._ws_events.counter("engine", start, busy=busy / seconds, inflight=inflight,
-                                tokens_per_s=sequences / seconds)
+        self._ws_events.counter("engine", start, inflight=sequences / max(steps, 1),
+                                busy=busy / seconds, tokens_per_s=sequences / seconds)
 
     def receive_weights(self) -> dict:
         """One update: read its header and check it against the checkpoint (before any weight

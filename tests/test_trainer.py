@@ -479,7 +479,7 @@ def _sample_frames(i, version, vocab=64, bad=False, advantage=None):
     P, C = int(rng.integers(1, 6)), int(rng.integers(1, 10))
     header = {"group_id": i // 2, "sample_idx": i % 2, "group_size": 2, "task": "arithmetic", "answer": "3",
               "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "proc": 0, "eval": False, "reward": float(i % 2), "status": "correct",
-              "advantage": float(i % 2) - 0.5 if advantage is None else advantage}
+              "advantage": float(i % 2) - 0.5 if advantage is None else advantage, "seq": i}
     arrays = {"prompt_ids": rng.integers(0, vocab, P).astype(np.int32),
               "completion_ids": rng.integers(0, vocab, C).astype(np.int32),
               "logprobs": np.full(C, -4.0, dtype=np.float32), "versions": np.full(C, version, dtype=np.int32)}
@@ -700,12 +700,15 @@ def test_silent_actor_is_judged_by_this_hosts_clock(tmp_path):
 
 def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
     import zmq
+    import weights_sync as ws
     addr = f"tcp://127.0.0.1:{free_port()}"  # nobody binds it
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     state = trainer.TrainState(model=None, fsdp=None)
+    store = ws.create_store("127.0.0.1", 0, True, 10)
     with pytest.raises(SystemExit) as e:
-        trainer.pull_samples(sock, 1, state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64)
+        trainer.pull_samples(sock, 1, state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64, store)
     sock.close()
-    assert addr in str(e.value.code) and "run.peer_timeout_s" in str(e.value.code)
+    msg = str(e.value.code)
+    assert addr in msg and "run.peer_timeout_s" in msg and "is verifier.py running" in msg

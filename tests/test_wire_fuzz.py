@@ -40,7 +40,7 @@ def valid(rng: random.Random, kind: str):
               "eval": rng.random() < 0.2}
     if kind == "sample":
         header.update(reward=float(rng.choice([0, 1])), status="correct",
-                      advantage=rng.uniform(-1, 1))
+                      advantage=rng.uniform(-1, 1), seq=n)  # seq: no draw, the stream stays as it was
     arrays = {"prompt_ids": np.arange(rng.randrange(1, 5), dtype=np.int32),
               "completion_ids": np.array([rng.randrange(40) for _ in range(n)], np.int32),
               "logprobs": -np.array([rng.random() for _ in range(n)], np.float32),
