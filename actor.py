@@ -60,6 +60,7 @@ def engine_args(cfg, proc_index: int = 0):
     import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
     on_gpu = torch.cuda.is_available()
+    seqs = cfg.actor.max_inflight + eval_slots(cfg, proc_index)  # slots: training + evaluation
     memory = ({"tensor_parallel_size": cfg.actor.tp,
                "gpu_memory_utilization": cfg.actor.gpu_memory_utilization} if on_gpu
               else {"kv_cache_memory_bytes": int(cfg.actor.kv_cache_gb * 2**30)})
@@ -76,7 +77,8 @@ def engine_args(cfg, proc_index: int = 0):
         # ignore the checkpoint's sampling defaults (e.g. repetition penalty)
         generation_config="vllm",
         scheduling_policy="priority",
-        max_num_seqs=cfg.actor.max_inflight + eval_slots(cfg, proc_index),
+        # CPU: a step's token budget (vLLM's default there: 2048) must hold one token a sequence
+        max_num_seqs=seqs, max_num_batched_tokens=None if on_gpu else max(2048, seqs),
         worker_extension_cls="weights_sync.WeightUpdateExtension", **memory)
 
 def eval_slots(cfg, proc_index: int = 0) -> int:
@@ -197,12 +199,6 @@ async def verify_weights(engines, version: int, probe: dict, tolerance: float) -
                 "(see weights_sync.WeightUpdateExtension.receive_weights)")
         worst = max(worst, diff)
     return worst
-
-def probe_tolerance(cfg) -> float:
-    """Largest probe logprob difference taken as 'same weights': trainer and engine run different
-    kernels (measured on the 1M model in float32: ~1e-6); bf16/fp16 round every matmul."""
-    import torch
-    return 1e-3 if cfg.compute_dtype(torch.cuda.is_available()) == "float32" else 0.1
 
 def sampling_params(cfg, temperature: float, top_p: float = 1.0):
     from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -434,7 +430,11 @@ class Actor:
         if every and version % every == 0:
             # set before the announcement
             probe = json.loads(self.store.get(f"probe/{version}"))
-            diff = await verify_weights(self.engines, version, probe, probe_tolerance(self.cfg))
+            import torch
+            # "Same weights": trainer and engine run different kernels (measured on the 1M model in
+            # float32: ~1e-6 apart); bf16/fp16 round every matmul.
+            fp32 = self.cfg.compute_dtype(torch.cuda.is_available()) == "float32"
+            diff = await verify_weights(self.engines, version, probe, 1e-3 if fp32 else 0.1)
             # the largest probe logprob difference
             self.note(probe_diff=diff)
 

@@ -265,7 +265,7 @@ _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float64
 _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, "answer": str,
             "finish_reason": str, "t_start": float, "t_end": float, "proc": int, "eval": bool}
 _ARRAYS = {"prompt_ids": "int32", "completion_ids": "int32", "logprobs": "float32", "versions": "int32"}
-# seq: the verifier's count of the samples it sent, in send order (trainer.settle_samples)
+# seq: the verifier's count of actor process proc's samples, in send order (trainer.settle_samples)
 _SAMPLE = {**_ROLLOUT, "reward": float, "status": str, "advantage": float, "seq": int}
 SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS), "sample": (_SAMPLE, _ARRAYS)}
 # Size caps. A header is ~300 bytes (a long math answer adds a few KiB). A frame is one sequence's

@@ -123,3 +123,18 @@ def test_the_arithmetic_bound_is_the_tasks_own():
     assert all(stream.get(i).prompt not in held_out for i in range(200))
     with pytest.raises(ConfigError, match="data.test_size=51"):
         common.load_config(["data.max_digits=1", "data.test_size=51"])
+
+
+@pytest.mark.parametrize("overlay", [[], ["configs/longtail.yaml", "configs/conventional.yaml"]])
+@pytest.mark.parametrize("inflight", [256, 2048, 4096])
+def test_vllm_accepts_the_engine_settings_of_any_max_inflight(overlay, inflight, tiny_model_dir):
+    """vLLM checks its own settings when it builds an engine's config (create_engine_config, no model
+    loaded). Its CPU default token budget of a step (2048) is below the slots of conventional RL's
+    whole-batch H for G = 16 (2,048 + 512 for evaluation): a run of that setting passed every check
+    and then died as its engine started, until actor.engine_args sized the budget to the slots."""
+    import actor
+    cfg = common.load_config([*overlay, f"model.path={tiny_model_dir}",
+                              f"actor.max_inflight={inflight}"])
+    config = actor.engine_args(cfg).create_engine_config()
+    assert config.scheduler_config.max_num_seqs == inflight + actor.eval_slots(cfg)
+    assert config.scheduler_config.max_num_batched_tokens >= config.scheduler_config.max_num_seqs
