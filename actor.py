@@ -60,7 +60,9 @@ def engine_args(cfg, proc_index: int = 0):
     import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
     on_gpu = torch.cuda.is_available()
-    seqs = cfg.actor.max_inflight + eval_slots(cfg, proc_index)  # slots: training + evaluation
+    # slots: training, evaluation, and one for the weight check's probe (Actor.verify), which would
+    # otherwise wait for a sequence to finish whenever training fills the engine
+    seqs = cfg.actor.max_inflight + eval_slots(cfg, proc_index) + 1
     memory = ({"tensor_parallel_size": cfg.actor.tp,
                "gpu_memory_utilization": cfg.actor.gpu_memory_utilization} if on_gpu
               else {"kv_cache_memory_bytes": int(cfg.actor.kv_cache_gb * 2**30)})

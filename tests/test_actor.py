@@ -1004,3 +1004,37 @@ def test_a_tensor_that_does_not_take_effect_is_caught(env):
     version = load(env, changed)  # the loader restored: the same check passes
     assert env["loop"].run_until_complete(
         actor.verify_weights([env["engine"]], version, probe(changed), 1e-3)) < 1e-4
+
+
+def test_the_weight_check_does_not_wait_for_a_full_engine(env):
+    """The probe of the weight check (actor.verify_weights, after every update) has an engine slot of its own:
+    with every training slot taken by long sequences (actor.max_inflight of them, evaluation off), the check
+    completes while they all still run. Without that slot it waited for a sequence to finish, and the next
+    update waited for the check."""
+    import trainer
+    from transformers import Qwen2ForCausalLM
+    from vllm import SamplingParams
+    cfg, loop = env["cfg"], env["loop"]
+    version = load(env, env["sd"])
+    model = Qwen2ForCausalLM.from_pretrained(env["model_dir"], dtype=torch.float32)
+    model.load_state_dict(env["sd"], strict=False)
+    probe = trainer.probe_logprobs(trainer.build_state(cfg, torch.device("cpu"), model=model), cfg)
+    long = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
+
+    async def scenario():
+        decoding = asyncio.Event()
+
+        async def watched():  # one of the max_inflight sequences, streamed: says when decoding has begun
+            async for out in env["engine"].generate(PROMPTS[0], long, request_id="full-watch"):
+                if len(out.outputs[0].token_ids) >= 5:
+                    decoding.set()
+        reqs = [asyncio.create_task(actor.generate(env["engine"], PROMPTS[i % 4], long, f"full-{i}"))
+                for i in range(cfg.actor.max_inflight - 1)] + [asyncio.create_task(watched())]
+        await decoding.wait()  # every training slot is taken
+        diff = await actor.verify_weights([env["engine"]], version, probe, 1e-3)
+        finished = sum(r.done() for r in reqs)
+        await asyncio.gather(*reqs)
+        return diff, finished
+    diff, finished = loop.run_until_complete(scenario())
+    assert diff < 1e-4
+    assert finished == 0, f"the check waited for {finished} of {cfg.actor.max_inflight} sequences"

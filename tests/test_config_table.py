@@ -136,5 +136,5 @@ def test_vllm_accepts_the_engine_settings_of_any_max_inflight(overlay, inflight,
     cfg = common.load_config([*overlay, f"model.path={tiny_model_dir}",
                               f"actor.max_inflight={inflight}"])
     config = actor.engine_args(cfg).create_engine_config()
-    assert config.scheduler_config.max_num_seqs == inflight + actor.eval_slots(cfg)
+    assert config.scheduler_config.max_num_seqs == inflight + actor.eval_slots(cfg) + 1  # + the probe
     assert config.scheduler_config.max_num_batched_tokens >= config.scheduler_config.max_num_seqs
