@@ -241,7 +241,9 @@ def fig_reward(groups, colors, out, x_of, xlabel, name, title, smooth_train):
         band(a1, [(x_of(r, "train"), smooth(r.reward, smooth_train)) for r in runs], c, lab)
         band(a2, [(x_of(r, "test"), r.test) for r in runs if len(r.test)], c, lab, marker=".")
     a1.set_title(f"train reward (batch mean, moving average over {smooth_train} steps)")
-    a2.set_title("test reward (greedy, held-out problems)")
+    temps = {r.value("actor", "eval_temperature") for runs in groups.values() for r in runs}
+    decoding = "greedy" if temps == {0.0} else "temperature " + "/".join(f"{t:g}" for t in sorted(temps))
+    a2.set_title(f"test reward ({decoding}, held-out problems)")
     if not any(len(r.test) for runs in groups.values() for r in runs):
         no_data(a2, "evaluations")
     for a in (a1, a2):

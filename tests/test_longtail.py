@@ -113,6 +113,7 @@ def test_overlay_loads():
     cfg = common.load_config([OVERLAY])
     assert cfg.data.task == "longtail" and cfg.model.path == "assets/tiny-longtail"
     assert cfg.actor.max_tokens >= 320
+    assert cfg.actor.eval_temperature == 1.0  # the policy as RL samples it (the overlay says why)
     assert common.load_config().data.task == "arithmetic"  # the embedded demo stays as it is
     with pytest.raises(common.ConfigError, match="data.task"):
         common.load_config(["data.task=longtails"])
