@@ -378,7 +378,8 @@ class Actor:
             if error := st.error or announcements.error or eval_error:
                 raise error
             if announcements.pending[:1] == ["done"]:  # the trainer's last step: a normal end
-                await (self.updating or asyncio.sleep(0))
+                # the update in progress, and the evaluation (a short run's only one) finish first
+                await asyncio.gather(*(t for t in (self.updating, self.eval_task) if t))
                 # the trainer keeps its store up until every actor has seen this
                 self.store.add("done_ack", 1)
                 break
