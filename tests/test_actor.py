@@ -200,6 +200,11 @@ def test_switch_in_flight(env, recompute_kv):
     # holds the whole receive (steps and the receive run one after another in the worker).
     stats = env["loop"].run_until_complete(engine.collective_rpc(lambda w: dict(w._ws_stats, stall_s=w._ws_stall)))[0]
     assert stats["version"] == v_b and stats["stall_s"] is not None and stats["stall_s"] >= stats["seconds"]
+    # The next update reports it (prev_stall_s, prev_wire_load_s): what the actor logs as actor/update_stall_s.
+    th, v_c = env["trainer"].send_async(env["A"])
+    nxt, _ = env["loop"].run_until_complete(actor.update_weights([engine], v_c, False, 60))
+    th.join()
+    assert (nxt[0]["prev_stall_s"], nxt[0]["prev_wire_load_s"]) == (stats["stall_s"], stats["seconds"]), nxt
     print(f"recompute_kv={recompute_kv}: switch at {sorted(switch_at)}, pause {pause_s * 1e3:.0f} ms")
 
 

@@ -112,8 +112,8 @@ def test_e2e_single_node(tiny_model_dir, tmp_path):
 def check_update_and_off_policy_metrics(run_dir, model_dir):
     """The actor's update timings and the trainer's off-policy diagnostics (steps that trained) as a
     real run logs them: present, finite, in range. Pauses: > 0 in some line, the max >= the mean.
-    The engine's own stall around an update holds that update's wire + load (they run one after the
-    other in the worker).
+    The engine's own stall around an update, where measured, holds that update's wire + load (they run
+    one after the other in the worker).
     Per lag bucket: ESS (6) in (0, 1], clamp fraction in [0, 1]; lag 0 is on-policy (the same
     weights, fp32 both sides: w = 1 within ~1e-5), so its ESS is ~1. Entropy in (0, log V]."""
     run_dir = Path(run_dir)
@@ -121,9 +121,11 @@ def check_update_and_off_policy_metrics(run_dir, model_dir):
     pauses = [(r["actor/pause_s_mean"], r["actor/pause_s_max"]) for r in actor]
     assert pauses and all(math.isfinite(m) and 0 <= m <= top for m, top in pauses), pauses
     assert max(m for m, _ in pauses) > 0, "no update was timed"
+    # An update's stall is measured only if the engine was decoding around it: in a 4-step run on a loaded
+    # machine the engine can be idle at every update (the lag budget spent); test_switch_in_flight checks
+    # that a stall is measured and reported.
     stalls = [(r["actor/update_stall_s"], r["actor/update_stall_wire_load_s"]) for r in actor
               if r["actor/update_stall_s"] is not None]
-    assert stalls, "no update stall was measured"
     assert all(math.isfinite(stall) and stall >= load > 0 for stall, load in stalls), stalls
     steps = [r for r in read_jsonl(run_dir / "metrics_trainer.jsonl")
              if r.get("trainer/trained_sequences")]  # token diagnostics describe trained sequences
