@@ -35,9 +35,9 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from unittest import mock
 
 import numpy as np
 
@@ -55,8 +55,9 @@ class PeerTimeout(RuntimeError):
 TRAINING_PRIORITY = 0
 EVAL_PRIORITY = 1
 
-def engine_args(cfg, proc_index: int = 0):
-    """vLLM settings that matter for RL (docs/DESIGN.md, "Known traps", measured on vLLM 0.32)."""
+def engine_args(cfg, proc_index: int = 0, device_ids: list = None):
+    """vLLM settings that matter for RL (docs/DESIGN.md, "Known traps", measured on vLLM 0.32);
+    device_ids: the engine's GPUs, as indices into those CUDA_VISIBLE_DEVICES names."""
     import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
     on_gpu = torch.cuda.is_available()
@@ -81,7 +82,7 @@ def engine_args(cfg, proc_index: int = 0):
         scheduling_policy="priority",
         # CPU: a step's token budget (vLLM's default there: 2048) must hold one token a sequence
         max_num_seqs=seqs, max_num_batched_tokens=None if on_gpu else max(2048, seqs),
-        worker_extension_cls="weights_sync.WeightUpdateExtension", **memory)
+        worker_extension_cls="weights_sync.WeightUpdateExtension", device_ids=device_ids, **memory)
 
 def eval_slots(cfg, proc_index: int = 0) -> int:
     """Engine slots for evaluation requests, on top of the H training sequences
@@ -89,10 +90,8 @@ def eval_slots(cfg, proc_index: int = 0) -> int:
     return max(1, cfg.actor.max_inflight // 4) if cfg.actor.eval_every and proc_index == 0 else 0
 
 def start_engines(cfg, proc_index: int = 0) -> list:
-    """actor.engines AsyncLLMs; each sees its own actor.tp GPUs (CPU: one engine on
-    actor.cpu_cores)."""
+    """actor.engines AsyncLLMs, each on its own actor.tp GPUs (CPU: all on actor.cpu_cores)."""
     import torch
-    from vllm.v1.engine.async_llm import AsyncLLM
     # vLLM's workers import weights_sync (worker_extension_cls) by name
     paths = [str(common.REPO), os.environ.get("PYTHONPATH")]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
@@ -112,23 +111,34 @@ def start_engines(cfg, proc_index: int = 0) -> list:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         allowed = os.sched_getaffinity(0)
         engine_cores = common.cpu_set(cfg.actor.cpu_cores)
+        # the start threads inherit it, and the engine processes from them
         os.sched_setaffinity(0, engine_cores)
         try:
-            return [AsyncLLM.from_engine_args(engine_args(cfg, proc_index))
-                    for _ in range(cfg.actor.engines)]
+            return start_at_once(cfg, proc_index, [None] * cfg.actor.engines)
         finally:
             os.sched_setaffinity(0, (allowed - engine_cores) or allowed)
-    # physical ids (run.sh passes them as actor.gpus too)
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    every_gpu = ",".join(map(str, range(torch.cuda.device_count())))
-    gpus = (cfg.actor.gpus or before or every_gpu).split(",")
-    engines = []
-    with mock.patch.dict(os.environ):  # CUDA_VISIBLE_DEVICES as it was on the way out
-        for e in range(cfg.actor.engines):
-            mine = gpus[e * cfg.actor.tp:(e + 1) * cfg.actor.tp]
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
-            engines.append(AsyncLLM.from_engine_args(engine_args(cfg, proc_index)))
-    return engines
+    # actor.gpus holds physical ids (run.sh: the ids it sets CUDA_VISIBLE_DEVICES to)
+    visible = (os.environ.get("CUDA_VISIBLE_DEVICES")
+               or ",".join(map(str, range(torch.cuda.device_count())))).split(",")
+    gpus, tp = (cfg.actor.gpus or ",".join(visible)).split(","), cfg.actor.tp
+    return start_at_once(cfg, proc_index, [[visible.index(g) for g in gpus[e * tp:(e + 1) * tp]]
+                                           for e in range(cfg.actor.engines)])
+
+def start_at_once(cfg, proc_index: int, devices: list) -> list:
+    """One engine per entry of `devices`, started concurrently: each loads its model and, on GPU,
+    captures its CUDA graphs (minutes on a GPU node). Per-engine device_ids (vLLM's --device-ids)
+    make this possible: CUDA_VISIBLE_DEVICES, one value per process, forced one start at a time."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    def start(e: int):
+        t0 = time.time()
+        print(f"[actor] engine {e}: starting", flush=True)
+        engine = AsyncLLM.from_engine_args(engine_args(cfg, proc_index, devices[e]))
+        print(f"[actor] engine {e}: up in {time.time() - t0:.0f} s", flush=True)
+        return engine
+
+    with ThreadPoolExecutor(len(devices)) as pool:
+        return list(pool.map(start, range(len(devices))))
 
 async def join_weight_group(cfg, engines, proc_index: int = 0):
     """Rank of TP rank k of engine e = 1 + (proc_index*engines + e)*tp + k; rank 0 is trainer
@@ -380,6 +390,7 @@ class Actor:
             if announcements.pending[:1] == ["done"]:  # the trainer's last step: a normal end
                 # the update in progress, and the evaluation (a short run's only one) finish first
                 await asyncio.gather(*(t for t in (self.updating, self.eval_task) if t))
+                self.log(final=True)  # the last window (a short run's only updates may be in it)
                 # the trainer keeps its store up until every actor has seen this
                 self.store.add("done_ack", 1)
                 break
@@ -590,9 +601,9 @@ class Actor:
         for name, value in values.items():
             self.st.window.setdefault(name, []).append(value)
 
-    def log(self):
+    def log(self, final: bool = False):
         now, st = time.time(), self.st
-        if now - self.last_log < self.cfg.run.log_every:
+        if now - self.last_log < self.cfg.run.log_every and not final:
             return
         # both keys are read by trainer.waiting_for
         self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")

@@ -278,11 +278,14 @@ _MAX_ID = 2**31 - 1
 _WHAT = {bool: "true or false", int: f"an integer in [0, {_MAX_ID}]", float: "a finite number",
          str: "a string"}
 
-def limit_message_size(sock):
-    """Call on a PULL socket before bind/connect: ZMQ then disconnects a peer that sends a frame
-    over MAX_FRAME_BYTES (ZMQ_MAXMSGSIZE counts each frame) instead of allocating it."""
+def pull_socket(ctx=None):
+    """A PULL socket (of the zmq context `ctx`, default the process's) that disconnects a peer
+    sending a frame over MAX_FRAME_BYTES (ZMQ_MAXMSGSIZE counts each frame) instead of allocating
+    it."""
     import zmq
+    sock = (ctx or zmq.Context.instance()).socket(zmq.PULL)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    return sock
 
 def encode(header: dict, arrays: dict) -> list:
     """header (JSON-able dict) + {name: ndarray} -> list of frames."""

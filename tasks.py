@@ -33,6 +33,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -101,14 +102,12 @@ def longtail_problem(first: str, terms) -> Problem:
     """`k=3 l=5 m=8` -> `k=3: 0+3=3 / l=5: 3+5=8 / m=8: 8+8=16 / #16`: terms named by consecutive
     letters from `first`, a running total with one line per term."""
     names = [chr(ord(first) + i) for i in range(len(terms))]
-    lines = []
-    total = 0
-    for name, t in zip(names, terms):
-        lines.append(f"{name}={t}: {total}+{t}={total + t}")
-        total += t
+    # the running total before each term, then after the last
+    totals = list(accumulate(terms, initial=0))
+    lines = [f"{name}={t}: {s}+{t}={s + t}" for name, t, s in zip(names, terms, totals)]
     prompt = " ".join(f"{name}={t}" for name, t in zip(names, terms)) + "\n"
-    return Problem(prompt=prompt, answer=str(total), task="longtail",
-                   target="\n".join(lines) + f"\n{ANSWER_MARK}{total}")
+    return Problem(prompt=prompt, answer=str(totals[-1]), task="longtail",
+                   target="\n".join(lines) + f"\n{ANSWER_MARK}{totals[-1]}")
 
 def _draw_longtail(rng) -> Problem:
     a = _LONGTAIL_ADDITIONS

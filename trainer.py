@@ -854,11 +854,8 @@ def main():
     send_weights(state, sender, cfg, wait=True)
 
     # --- samples: each rank pulls its own share from the verifier ---
-    import zmq
     addr = common.zmq_addr(cfg.ports.host, cfg.ports.samples)
-    sock = zmq.Context.instance().socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    common.limit_message_size(sock)
+    sock = common.pull_socket()
     sock.connect(addr)
     share = cfg.trainer.batch_size // world()
     conventional = cfg.actor.schedule == "conventional"

@@ -305,8 +305,7 @@ def main():
     # --- sockets and scoring pool ---
     host = cfg.ports.host  # multi-node: run.sh sets it from MASTER_ADDR
     ctx = zmq.Context()
-    rollouts_sock, samples_sock = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    common.limit_message_size(rollouts_sock)
+    rollouts_sock, samples_sock = common.pull_socket(ctx), ctx.socket(zmq.PUSH)
     rollouts_sock.bind(common.zmq_addr(host, cfg.ports.rollouts))
     samples_sock.bind(common.zmq_addr(host, cfg.ports.samples))
     pool, state, stopping = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg), []

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -549,10 +550,13 @@ def test_weights_owed_hand_worked():
     assert trainer.weights_owed(step=8, sent=5, max_lag=2)
 
 
-def test_conventional_schedule_exact_batches_one_version(env):
+def test_conventional_schedule_exact_batches_one_version(env, tmp_path, capsys):
+    """Conventional RL: each RL step's B*G_steps samples come from one version, and nothing more starts
+    until the next. The actor ends by itself at "done", logging its last metrics window first: with
+    run.log_every longer than the run, that window is the only line, and it holds every update."""
     B, G = 8, 2
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.schedule=conventional",
-                   f"actor.G_steps={G}", f"actor.max_lag={G - 1}", "actor.max_tokens=24")
+    cfg = make_cfg(tmp_path, env["model_dir"], env["store"].port, free_port(), "actor.schedule=conventional",
+                   f"actor.G_steps={G}", f"actor.max_lag={G - 1}", "actor.max_tokens=24", "run.log_every=3600")
     per_version = {}
 
     def trainer(pull, st):  # RL steps start at multiples of G_steps, as the trainer's versions do
@@ -571,6 +575,10 @@ def test_conventional_schedule_exact_batches_one_version(env):
     assert sorted(per_version) == [(last - k * G,) for k in (3, 2, 1, 0)]  # one version per batch
     assert all(len(v) == B * G for v in per_version.values()) and not rest
     assert st.started == B * G and st.inflight == 0
+    [line] = [dict(kv.split("=", 1) for kv in line.split()[3:])  # "[actor] step N k=v ..."
+              for line in capsys.readouterr().out.splitlines() if line.startswith("[actor] step")]
+    assert int(line["version"]) == last and int(line["updates"]) == st.updates == 3, line  # after the first weights
+    assert float(line["pause_s_mean"]) > 0 and float(line["samples_per_s"]) > 0, line
 
 
 def _pull_training(pull, n, evals=None, timeout_s=60):
@@ -871,7 +879,9 @@ def test_two_engines_in_one_actor_process(env, tmp_path):
     """actor.engines=2 (the GPU recipe runs engines: 4; here on CPU): two engine core processes, whose
     workers join the weight group as ranks 1 and 2 of 3 (init_group returns only then); each update reaches
     both (update_weights checks every worker's version) and, with max_lag=0, every batch is sampled by
-    exactly one version, in cursor order, until SIGTERM ends the process cleanly."""
+    exactly one version, in cursor order, until SIGTERM ends the process cleanly. The engines start at
+    once (a GPU node's 4 engines each capture CUDA graphs for minutes): both have started before either
+    is up (started one after the other, engine 0 was up before engine 1 started)."""
     import psutil
     with actor_process(env, tmp_path, 0, "actor.engines=2", "actor.eval_every=0") as (store, pull, proc):
         pg = ws.init_group(store, 0, 3, "gloo", 180)  # returns once both engines' workers joined
@@ -886,6 +896,9 @@ def test_two_engines_in_one_actor_process(env, tmp_path):
     out = open(tmp_path / "actor.log").read()
     assert proc.returncode == 0, out[-3000:]
     assert len(cores) == 2, out[-3000:]  # one engine core process per engine
+    starts = re.findall(r"^\[actor\] engine (\d): (starting|up in)", out, re.M)
+    assert sorted(starts[:2]) == [("0", "starting"), ("1", "starting")], starts
+    assert sorted(starts[2:]) == [("0", "up in"), ("1", "up in")], starts
     for version, batch in enumerate(batches):
         assert sorted({h["group_id"] for h, _ in batch}) == [2 * version, 2 * version + 1]
         assert all((a["versions"] == version).all() for _, a in batch), version

@@ -227,11 +227,10 @@ def test_decode_cases_that_escaped_as_other_errors(name, edit, frame):
 
 
 def test_pull_socket_refuses_frames_over_the_cap():
-    """common.limit_message_size: ZMQ drops a frame over MAX_FRAME_BYTES (and the connection that
+    """common.pull_socket: ZMQ drops a frame over MAX_FRAME_BYTES (and the connection that
     sent it) instead of allocating it; the next message, over a new connection, arrives."""
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    common.limit_message_size(pull)
+    pull = common.pull_socket(ctx)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
