@@ -184,10 +184,11 @@ def group_settings(runs) -> "OrderedDict[str, list]":
 
 def colors_for(groups) -> dict:
     """PipelineRL in blues/greens (recomputed KV: purples), conventional in reds/oranges: a colour per setting
-    up to the palette's length (reproduce.sh's 3 G_steps x 2 max_inflight conventional settings fit)."""
+    up to the palette's length (reproduce.sh --task longtail's 11 conventional settings fit)."""
     pipe = ["tab:blue", "tab:green", "tab:cyan", "tab:olive", "navy", "teal"]
     recompute = ["tab:purple", "orchid"]
-    conv = ["tab:red", "tab:orange", "tab:brown", "tab:pink", "gold", "darkred", "salmon", "peru"]
+    conv = ["tab:red", "tab:orange", "tab:brown", "tab:pink", "gold", "darkred", "salmon", "peru",
+            "magenta", "olive", "black", "tab:gray"]
     out, n = {}, {"p": 0, "r": 0, "c": 0}
     for label, runs in groups.items():
         kind = "c" if runs[0].schedule == "conventional" else ("r" if runs[0].value("actor", "recompute_kv") else "p")

@@ -132,13 +132,14 @@ def test_lowered_and_explicit_target(tmp_path):
 
 
 def test_every_reproduce_setting_gets_its_own_colour(tmp_path):
-    """reproduce.sh's 6 conventional settings (G_steps 2, 4, 8 x max_inflight 64, 256) and PipelineRL: no colour
-    twice (the palette of 5 gave G=2,H=64 and G=8,H=256 the same red)."""
+    """reproduce.sh --task longtail's 11 conventional settings (G_steps 2, 4, 8, 16 x max_inflight 64, 256,
+    128 * G; G=2's whole batch is 256) and PipelineRL: no colour twice (the palette of 8 repeated three)."""
+    grid = sorted({(g, h) for g in (2, 4, 8, 16) for h in (64, 256, 128 * g)})
     dirs = [make_run(tmp_path, f"conv-G{g}-H{h}", CONV + [f"actor.G_steps={g}", f"actor.max_lag={g - 1}",
                                                           f"actor.max_inflight={h}"], 2.0, n_steps=2)
-            for g in (2, 4, 8) for h in (64, 256)] + [make_run(tmp_path, "pipe", [], 1.0, n_steps=2)]
+            for g, h in grid] + [make_run(tmp_path, "pipe", [], 1.0, n_steps=2)]
     colors = plot.colors_for(plot.group_settings(plot.load_runs(dirs)))
-    assert len(colors) == 7 and len(set(colors.values())) == 7, colors
+    assert len(grid) == 11 and len(colors) == 12 and len(set(colors.values())) == 12, colors
 
 
 def test_kl_by_lag_is_token_weighted(tmp_path):
