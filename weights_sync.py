@@ -111,8 +111,8 @@ class WeightSender:
         entries, sizes = bucket_layout(manifest, self.bucket_bytes)
         header = json.dumps(dict(version=int(version), tensors=entries, buckets=sizes)).encode()
         self.announce(str(int(version)))  # the actor wakes on this and joins the broadcast
-        for t in (torch.tensor([len(header)]), torch.tensor(list(header), dtype=torch.uint8)):
-            self.pg.broadcast(t.to(self.device), 0).wait()
+        self.pg.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device), 0).wait()
+        self.pg.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), 0).wait()
         tensors, slot = iter(named_tensors), 1
         # each staging buffer's broadcast; i -> (broadcast, tensor i) of a tensor broadcast from its
         # own memory
