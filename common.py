@@ -431,8 +431,7 @@ class Events:
     written at most once a second (and at exit). Disabled (run.trace=false), nothing is recorded."""
 
     def __init__(self, run_dir, track: str, on: bool = True):
-        self.on = on
-        self.path = Path(run_dir) / f"events_{track}.jsonl"
+        self.on, self.path = on, Path(run_dir) / f"events_{track}.jsonl"
         self.buf = [["M", os.uname().nodename, os.getpid()]]
         self.written = time.time()
         if self.on:

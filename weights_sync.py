@@ -60,6 +60,10 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
     "Two programs, one gloo group")."""
     backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
     prefix, timeout = dist.PrefixStore("weights", store), datetime.timedelta(seconds=timeout_s)
+    # Every rank meets in the store first: a rank that never comes raises here after timeout_s, naming
+    # the group's keys. (NCCL would build its communicator at the first broadcast and wait there forever.)
+    prefix.set(f"joined/{rank}", "1")
+    prefix.wait([f"joined/{r}" for r in range(world_size)], timeout)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
     opts = dist.ProcessGroupNCCL.Options()
@@ -150,8 +154,7 @@ class AsyncSender:
     exact. sync.async_send=false: WeightSender itself, training waits."""
 
     def __init__(self, sender: WeightSender):
-        self.sender, self.copy, self.error = sender, {}, None
-        self.store = sender.store
+        self.sender, self.store, self.copy, self.error = sender, sender.store, {}, None
         self.idle = threading.Event()
         self.idle.set()
         # CUDA: the thread's work gets a stream of its own. A new thread's current stream is the

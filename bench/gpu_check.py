@@ -14,7 +14,8 @@ Checks (each independent; a failure is reported and the next check runs):
   fsdp_fp32_ac  the same with trainer.activation_checkpointing=true (re-gather in recomputation)
   fsdp_bf16     the same with bf16 compute (model.dtype auto on GPU): distance from the fp32 reference (< 3e-2)
   sender_stream the AsyncSender broadcasts on its own stream: a training op is not queued behind it (GPU only)
-  weight_group_timeout  a weight-group broadcast to a rank that never comes raises (no NCCL watchdog abort)
+  weight_group_timeout  a weight group whose rank 1 never comes raises after sync.timeout_s, at init_group's
+                meeting in the store (NCCL itself would wait at the first broadcast for ever: H200, 2026-12-04)
   nccl_2rank    two processes on the same GPU in one NCCL group: NCCL refuses this ("Duplicate GPU") in most
                 builds; when it works, a WeightSender -> receive_weights round trip is checked bit for bit
   ranks         every GPU, one rank each (skipped with one GPU): FSDP vs the reference (1e-5), trainer.prefetch
@@ -197,6 +198,8 @@ def weight_group_timeout():
     assert not q.empty(), f"the process died without raising (exit code {p.exitcode}): an abort"
     kind, what = q.get()
     assert kind == "raised", what
+    # weights_sync.init_group's meeting in the store: NCCL alone waits at its first broadcast, past any timeout
+    assert "weights/joined" in what, f"raised, but not at the weight group's meeting in the store: {what}"
     return {"verdict": f"raised {what}"}
 
 
@@ -341,7 +344,7 @@ def big_ac(tmp):
 @check("big_chunk0")
 def big_chunk0(tmp):
     if len(CHUNKING) == 1:
-        return {"verdict": "skipped: no trainer.logits_chunk (or its default is 0) in this tree"}
+        return {"skipped": True, "verdict": "no trainer.logits_chunk (or its default is 0) in this tree"}
     gc.collect()
     if not SMOKE:
         torch.cuda.empty_cache()
@@ -413,7 +416,7 @@ RANKS = {}  # the multi-rank results: one set of rank processes runs both checks
 @check("ranks")
 def ranks(tmp, big):
     if _world() < 2:
-        return {"verdict": "skipped: one GPU (NCCL needs one GPU per rank)"}
+        return {"skipped": True, "verdict": "one GPU (NCCL needs one GPU per rank)"}
     gc.collect()  # rank 0 shares GPU 0 with this process: give back what the 1-GPU checks cached
     if not SMOKE:
         torch.cuda.empty_cache()
@@ -427,7 +430,7 @@ def ranks(tmp, big):
 @check("big_ranks")
 def big_ranks():
     if _world() < 2:
-        return {"verdict": "skipped: one GPU"}
+        return {"skipped": True, "verdict": "one GPU"}
     runs = {k: RANKS[k] for k in BIG_RUNS}
     assert not any("error" in r for r in runs.values()), runs
     on, off = runs[next(iter(BIG_RUNS))], runs[f"prefetch=false {next(iter(CHUNKING))}"]
