@@ -171,7 +171,8 @@ def sender_stream():
 
 
 def _lonely_rank(port, result_q):
-    """Rank 0 of a weight group of two whose rank 1 never comes: a broadcast must raise, naming it."""
+    """Rank 0 of a weight group of two whose rank 1 never comes: building the group (or, were it built, the
+    broadcast) must raise, naming the weight group."""
     try:
         if not SMOKE:
             torch.cuda.set_device(0)
