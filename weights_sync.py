@@ -60,8 +60,9 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
     "Two programs, one gloo group")."""
     backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
     prefix, timeout = dist.PrefixStore("weights", store), datetime.timedelta(seconds=timeout_s)
-    # Every rank meets in the store first: a rank that never comes raises here after timeout_s, naming
-    # the group's keys. (NCCL would build its communicator at the first broadcast and wait there forever.)
+    # Every rank meets in the store first: a rank that never comes raises here after timeout_s,
+    # naming the group's keys. (NCCL would build its communicator at the first broadcast and wait
+    # there for ever.)
     prefix.set(f"joined/{rank}", "1")
     prefix.wait([f"joined/{r}" for r in range(world_size)], timeout)
     if backend == "gloo":

@@ -270,6 +270,25 @@ def _batch(rows, prompt, completion, vocab, version, seed):
                  group_id=i) for i in range(rows)]
 
 
+def big_cfg(tmp, ac=False, over=None, world=1):
+    """The config of the big checks' train_step (SIZES: one batch per rank)."""
+    sz = SIZES["smoke" if SMOKE else "gpu"]
+    return make_cfg(tmp, world=world, batch_size=sz["rows"] * world,
+                    **{"actor.max_tokens": sz["completion"], "trainer.micro_batch_tokens": sz["micro_batch_tokens"],
+                       "model.dtype": "bfloat16" if SMOKE else "auto", "trainer.activation_checkpointing": ac,
+                       **(over or {})})
+
+
+def init_world():
+    """This process as rank 0 of a 1-rank default world (gloo with --smoke, else NCCL on cuda:0)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    if SMOKE:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    else:
+        dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", 0))
+
+
 def _big(tmp, ac=False, over=None, world=1, rank=0):
     """-> (report, state) after a warm-up and 3 timed train_steps of the big model at bf16 on this rank's
     device; world ranks each train ROWS sequences (the global batch is world x ROWS)."""
@@ -278,10 +297,7 @@ def _big(tmp, ac=False, over=None, world=1, rank=0):
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**sz["model"], tie_word_embeddings=False))
     n_params = sum(p.numel() for p in model.parameters())
-    cfg = make_cfg(tmp, world=world, batch_size=sz["rows"] * world,
-                   **{"actor.max_tokens": sz["completion"], "trainer.micro_batch_tokens": sz["micro_batch_tokens"],
-                      "model.dtype": "bfloat16" if SMOKE else "auto", "trainer.activation_checkpointing": ac,
-                      **(over or {})})
+    cfg = big_cfg(tmp, ac, over, world)
     state = trainer.build_state(cfg, dev(rank), model=model)
     vocab = sz["model"]["vocab_size"]
     gc.collect()
@@ -456,12 +472,7 @@ def main():
         torch.set_num_threads(1)
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu_check-{os.getpid()}"
     tmp.mkdir(parents=True, exist_ok=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    if SMOKE:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    else:
-        dist.init_process_group("nccl", timeout=timedelta(seconds=120), device_id=torch.device("cuda", 0))
+    init_world()
     fsdp_fp32(tmp)
     fsdp_fp32_ac(tmp)
     fsdp_bf16(tmp)
