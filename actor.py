@@ -372,7 +372,9 @@ class Actor:
         # the evaluation pass running (or done), and the version it started at
         self.eval_task, self.last_eval = None, None
         self.updating = None
-        self.last_log = time.time()
+        # as if a line were one period old: the loop's first pass logs, so the trainer has this
+        # actor's heartbeat (trainer.waiting_for) before its first sample leaves
+        self.last_log = time.time() - cfg.run.log_every
         self.last_tick = None
         self.blocked_at_log = 0.0
         self.drops_checked = 0.0

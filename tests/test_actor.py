@@ -553,7 +553,8 @@ def test_weights_owed_hand_worked():
 def test_conventional_schedule_exact_batches_one_version(env, tmp_path, capsys):
     """Conventional RL: each RL step's B*G_steps samples come from one version, and nothing more starts
     until the next. The actor ends by itself at "done", logging its last metrics window first: with
-    run.log_every longer than the run, that window is the only line, and it holds every update."""
+    run.log_every longer than the run, that window is the last of two lines (the first: the loop's first
+    pass, before any sample), and it holds every update."""
     B, G = 8, 2
     cfg = make_cfg(tmp_path, env["model_dir"], env["store"].port, free_port(), "actor.schedule=conventional",
                    f"actor.G_steps={G}", f"actor.max_lag={G - 1}", "actor.max_tokens=24", "run.log_every=3600")
@@ -575,10 +576,32 @@ def test_conventional_schedule_exact_batches_one_version(env, tmp_path, capsys):
     assert sorted(per_version) == [(last - k * G,) for k in (3, 2, 1, 0)]  # one version per batch
     assert all(len(v) == B * G for v in per_version.values()) and not rest
     assert st.started == B * G and st.inflight == 0
-    [line] = [dict(kv.split("=", 1) for kv in line.split()[3:])  # "[actor] step N k=v ..."
-              for line in capsys.readouterr().out.splitlines() if line.startswith("[actor] step")]
+    first, line = [dict(kv.split("=", 1) for kv in line.split()[3:])  # "[actor] step N k=v ..."
+                   for line in capsys.readouterr().out.splitlines() if line.startswith("[actor] step")]
+    assert int(first["updates"]) == 0 and float(first["samples_per_s"]) == 0, first
     assert int(line["version"]) == last and int(line["updates"]) == st.updates == 3, line  # after the first weights
     assert float(line["pause_s_mean"]) > 0 and float(line["samples_per_s"]) > 0, line
+
+
+def test_heartbeat_before_the_first_sample(env):
+    """The actor's heartbeat and started count (store keys alive/<p>, started/<p>: trainer.waiting_for
+    reads them) are in the store before its first sample arrives, not only after run.log_every: a
+    host that dies right after its first samples is then named as gone silent, not as never heard from
+    (a two-host test met that: its trainer had taken two steps within the first 0.5 s)."""
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8",
+                   "run.log_every=3600")
+    for key in ("alive/0", "started/0"):
+        env["store"].delete_key(key)  # an earlier test's actor set them
+    seen = {}
+
+    def trainer_fn(pull, st):
+        env["trainer"].send(env["sd"])
+        _pull(pull, 1)
+        seen.update(alive=env["store"].check(["alive/0"]), started=int(env["store"].add("started/0", 0)))
+        _pull(pull, 7)
+
+    _run_loop(env, cfg, trainer_fn)
+    assert seen["alive"] and seen["started"] >= cfg.actor.group_size, seen
 
 
 def _pull_training(pull, n, evals=None, timeout_s=60):
