@@ -132,9 +132,11 @@ def start_at_once(cfg, proc_index: int, devices: list) -> list:
 
     def start(e: int):
         t0 = time.time()
-        print(f"[actor] engine {e}: starting", flush=True)
+        # line and newline in one write: print's two writes from two threads can interleave
+        # ("...engine 0: starting[actor] engine 1: starting" was seen)
+        print(f"[actor] engine {e}: starting\n", end="", flush=True)
         engine = AsyncLLM.from_engine_args(engine_args(cfg, proc_index, devices[e]))
-        print(f"[actor] engine {e}: up in {time.time() - t0:.0f} s", flush=True)
+        print(f"[actor] engine {e}: up in {time.time() - t0:.0f} s\n", end="", flush=True)
         return engine
 
     with ThreadPoolExecutor(len(devices)) as pool:
