@@ -254,6 +254,33 @@ def test_reproduce_matrix():
     assert settings == [("conventional", 4), ("pipeline", 1)]
 
 
+def test_longtail_seeds_commands(tmp_path):
+    """scripts/longtail_seeds.sh: each SETTING:SEED is the long-tail matrix's command for that setting (the
+    same B and lr, conventional G = 8 at the whole batch on both cores) under a SIGTERM budget; a run with
+    its DONE file is kept; an unknown setting or seed is refused, naming the known ones."""
+    def run(*args):
+        return subprocess.run(["bash", "scripts/longtail_seeds.sh", "--dry-run", "--root", str(tmp_path),
+                               "--run-s", "99", *args], cwd=REPO, capture_output=True, text=True)
+    out = run("pipeline-default:1", "conventional-G8-H1024:2")
+    assert out.returncode == 0, out.stderr
+    lines = [shlex.split(line) for line in out.stdout.splitlines()]
+    assert all(line[:6] == ["timeout", "--signal=TERM", "--kill-after=60", "99", "bash", "run.sh"] for line in lines)
+    pipe, conv = checked([line[6:] for line in lines])
+    for c, seed in ((pipe, 1), (conv, 2)):
+        assert (c["trainer"]["batch_size"], c["trainer"]["lr"], c["data"]["task"]) == (128, 1e-4, "longtail")
+        assert (c["run"]["seed"], c["actor"]["eval_every"]) == (seed, 16)
+    assert pipe["actor"]["schedule"] == "pipeline" and pipe["actor"]["max_inflight"] == 256
+    a = conv["actor"]
+    assert (a["schedule"], a["G_steps"], a["max_lag"], a["max_inflight"]) == ("conventional", 8, 7, 1024)
+    assert a["cpu_cores"] == conv["trainer"]["cpu_cores"] == "0-1"
+    (tmp_path / "pipeline-default-s1").mkdir()
+    (tmp_path / "pipeline-default-s1" / "DONE").touch()
+    assert run("pipeline-default:1").stdout == f"kept: {tmp_path}/pipeline-default-s1\n"
+    bad = run("pipeline-H64:0")
+    assert bad.returncode == 2 and "pipeline-default, conventional-G8-H1024" in bad.stderr
+    assert run("pipeline-default:x").returncode == 2
+
+
 def test_best_conventional_is_the_fastest_to_the_common_target(tmp_path, capsys):
     """plot.py --best-conventional (reproduce.sh's choice for pass 2): the conventional run directory, less its
     -s<seed>, that reached the target every run reached soonest; PipelineRL runs are never chosen."""
