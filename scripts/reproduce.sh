@@ -3,7 +3,8 @@
 # default (tiny model, arithmetic task), on the same 2 CPU cores for every setting, then plot it.
 #
 #   bash scripts/reproduce.sh [--task longtail] [--quick] [--dry-run] [--force] [--run-s S] [--steps N]
-#                             [--seeds "0 1"] [--root RUNS_DIR] [--out FIGURES_DIR]
+#                             [--seeds "0 1"] [--runs "NAME:SEED ..."] [--root RUNS_DIR] [--out FIGURES_DIR]
+#                             [--target R]
 #
 # --task longtail: the same comparison on the long-tailed task (configs/longtail.yaml: a few completions
 # many times longer than most, the workload the paper is about), with conventional RL tuned over
@@ -28,15 +29,24 @@
 # 1000) is only a cap. 8 + 4 runs x ~5 min ~= 62 min on 2 cores. --quick: PipelineRL H=256 and conventional
 # G=4 H=256, seed 0, 90 s each (~4 min).
 #
-# Existing run directories are kept (skipped, and plotted with the others) unless --force, which deletes
-# them first. Runs go to --root/<name>-s<seed> (default runs/repro; --quick: runs/repro-quick); figures
-# and summary.md to --out (default docs/figures; --quick: <root>/figures).
-# --dry-run prints the run.sh commands and exits (pass 2 as "best conventional" placeholders).
+# --runs "NAME:SEED ...": only these settings of the task's matrix at these seeds, in this order, no passes
+# (e.g. longer runs of the two main settings, built up over sittings:
+#   bash scripts/reproduce.sh --task longtail --root runs/lt-2400 --run-s 2400 --steps 100000 \
+#       --out docs/figures/longtail-2400 --target 0.459 --runs "pipeline-default:0 conventional-G8-H1024:0").
+#
+# A run that ends well (its budget or max_steps, with optimizer steps logged) gets a DONE file. A run
+# directory with DONE is kept (skipped, and plotted with the others) unless --force, which deletes it first;
+# one without DONE (a run interrupted or failed; or one made before DONE files: `touch DIR/DONE` keeps it)
+# is deleted and run again. Runs go to --root/<name>-s<seed> (default runs/repro; --quick:
+# runs/repro-quick); figures and summary.md to --out (default docs/figures; --quick: <root>/figures);
+# --target R: the figures' target test reward (default: the best every run reached).
+# --dry-run prints the run.sh commands, and "# kept: DIR" for the runs kept, and exits (pass 2 as
+# "best conventional" placeholders).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"; [[ -x "$PY" ]] || PY=python3
 
-QUICK=0; DRY=0; FORCE=0; RUN_S=""; STEPS=""; SEEDS=""; OUT=""; ROOT=""; TASK=arithmetic
+QUICK=0; DRY=0; FORCE=0; RUN_S=""; STEPS=""; SEEDS=""; OUT=""; ROOT=""; TASK=arithmetic; RUNS=""; TARGET=()
 while (( $# )); do
   case $1 in
     --task) TASK=$2; shift ;;
@@ -46,9 +56,11 @@ while (( $# )); do
     --run-s) RUN_S=$2; shift ;;
     --steps) STEPS=$2; shift ;;
     --seeds) SEEDS=$2; shift ;;
+    --runs) RUNS=$2; shift ;;
+    --target) TARGET=(--target "$2"); shift ;;
     --out) OUT=$2; shift ;;
     --root) ROOT=$2; shift ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,44p' "$0"; exit 0 ;;
     *) echo "reproduce.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -101,18 +113,44 @@ command_for() {  # name|overrides|seed -> the run.sh arguments, one per line
   printf '%s\n' "${TASK_ARGS[@]}" "${args[@]}" "${COMMON[@]}" "run.seed=$seed" "trainer.max_steps=$STEPS" "run.dir=$ROOT/$name-s$seed"
 }
 
-if (( DRY )); then
-  echo "# pass 1: $((1 + ${#TUNE[@]})) runs, one at a time, each stopped after ${RUN_S} s (timeout -s TERM) or trainer.max_steps"
+# --runs: each NAME:SEED as name|overrides|seed, from the task's matrix
+SELECTED=()
+for item in $RUNS; do
+  name=${item%:*}; seed=${item##*:}; found=""; names=""
   for s in "$PIPE" "${TUNE[@]}"; do
-    mapfile -t args < <(command_for "$s|${SEED_LIST[0]}")
-    echo "bash run.sh ${args[*]}"
+    names+="${names:+, }${s%%|*}"
+    if [[ "${s%%|*}" == "$name" ]]; then found=$s; fi
   done
-  for seed in "${SEED_LIST[@]:1}"; do
-    echo "# pass 2, seed $seed: ${PIPE%%|*} and the best conventional setting of pass 1"
-    mapfile -t args < <(command_for "$PIPE|$seed")
-    echo "bash run.sh ${args[*]}"
-  done
-  echo "# then: $PY scripts/plot.py $ROOT/*/ --out $FIG"
+  if [[ "$item" != *:* || ! "$seed" =~ ^[0-9]+$ ]]; then
+    echo "reproduce.sh: --runs takes NAME:SEED items, not '$item'" >&2; exit 2
+  fi
+  if [[ -z "$found" ]]; then
+    echo "reproduce.sh: --runs: no setting '$name' in the $TASK matrix ($names)" >&2; exit 2
+  fi
+  SELECTED+=("$found|$seed")
+done
+
+dir_of() { local args; mapfile -t args < <(command_for "$1"); echo "${args[-1]#run.dir=}"; }
+is_kept() { [[ -f "$(dir_of "$1")/DONE" ]] && (( ! FORCE )); }   # name|overrides|seed
+
+if (( DRY )); then
+  show() {  # name|overrides|seed -> its run.sh command, or "# kept: DIR"
+    local args
+    mapfile -t args < <(command_for "$1")
+    if is_kept "$1"; then echo "# kept: $(dir_of "$1")"; else echo "bash run.sh ${args[*]}"; fi
+  }
+  if (( ${#SELECTED[@]} )); then
+    echo "# ${#SELECTED[@]} runs, one at a time, each stopped after ${RUN_S} s (timeout -s TERM) or trainer.max_steps"
+    for r in "${SELECTED[@]}"; do show "$r"; done
+  else
+    echo "# pass 1: $((1 + ${#TUNE[@]})) runs, one at a time, each stopped after ${RUN_S} s (timeout -s TERM) or trainer.max_steps"
+    for s in "$PIPE" "${TUNE[@]}"; do show "$s|${SEED_LIST[0]}"; done
+    for seed in "${SEED_LIST[@]:1}"; do
+      echo "# pass 2, seed $seed: ${PIPE%%|*} and the best conventional setting of pass 1"
+      show "$PIPE|$seed"
+    done
+  fi
+  echo "# then: $PY scripts/plot.py $ROOT/*/ --out $FIG ${TARGET[*]}"
   exit 0
 fi
 
@@ -130,8 +168,10 @@ run_one() {  # name|overrides|seed
   local r=$1 dir rc args
   mapfile -t args < <(command_for "$r")
   dir="${args[-1]#run.dir=}"
+  if is_kept "$r"; then echo "[reproduce] $dir is done: kept (--force to redo)"; return; fi
   if [[ -e "$dir" ]]; then
-    if (( FORCE )); then rm -rf -- "$dir"; else echo "[reproduce] $dir exists: kept (--force to redo)"; return; fi
+    [[ -f "$dir/DONE" ]] || echo "[reproduce] $dir has no DONE file (the run was interrupted or failed): run again"
+    rm -rf -- "$dir"
   fi
   echo "[reproduce] $(date +%H:%M:%S) bash run.sh ${args[*]}   (budget ${RUN_S} s)"
   mkdir -p "$dir"
@@ -142,6 +182,7 @@ run_one() {  # name|overrides|seed
   TPID=""
   if [[ ($rc == 0 || $rc == 124) && -s "$dir/metrics_trainer.jsonl" ]]; then
     { grep '^step ' "$dir/reproduce.log" || true; } | tail -n 1 | sed 's/^/[reproduce]   last: /'
+    touch "$dir/DONE"
   else
     echo "[reproduce] FAILED (rc $rc; with rc 0 or 124: no optimizer step logged): $dir; last lines of" \
          "$dir/reproduce.log:" >&2
@@ -151,9 +192,14 @@ run_one() {  # name|overrides|seed
   sleep "${REPRO_GAP_S:-2}"   # let the ports of the stopped roles close before the next run binds them
 }
 
-# Pass 1: every setting at the first seed. Pass 2: the two main settings at the other seeds.
-for s in "$PIPE" "${TUNE[@]}"; do run_one "$s|${SEED_LIST[0]}"; done
-if (( ${#SEED_LIST[@]} > 1 )); then
+# --runs: those runs only. Otherwise pass 1: every setting at the first seed; pass 2: the two main
+# settings at the other seeds.
+if (( ${#SELECTED[@]} )); then
+  for r in "${SELECTED[@]}"; do run_one "$r"; done
+else
+  for s in "$PIPE" "${TUNE[@]}"; do run_one "$s|${SEED_LIST[0]}"; done
+fi
+if (( ! ${#SELECTED[@]} && ${#SEED_LIST[@]} > 1 )); then
   best=$("$PY" scripts/plot.py "$ROOT"/*-s"${SEED_LIST[0]}"/ --best-conventional) || best=""
   echo "[reproduce] best conventional setting at seed ${SEED_LIST[0]}: ${best:-none reached the target}"
   for seed in "${SEED_LIST[@]:1}"; do
@@ -162,5 +208,5 @@ if (( ${#SEED_LIST[@]} > 1 )); then
   done
 fi
 echo "[reproduce] all runs done in $(( (SECONDS - t_all) / 60 )) min; plotting"
-"$PY" scripts/plot.py "$ROOT"/*/ --out "$FIG"
+"$PY" scripts/plot.py "$ROOT"/*/ --out "$FIG" "${TARGET[@]}"
 if (( ${#failed[@]} )); then echo "[reproduce] failed runs: ${failed[*]}" >&2; exit 1; fi

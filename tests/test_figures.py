@@ -254,18 +254,18 @@ def test_reproduce_matrix():
     assert settings == [("conventional", 4), ("pipeline", 1)]
 
 
-def test_longtail_seeds_commands(tmp_path):
-    """scripts/longtail_seeds.sh: each SETTING:SEED is the long-tail matrix's command for that setting (the
-    same B and lr, conventional G = 8 at the whole batch on both cores) under a SIGTERM budget; a run with
-    its DONE file is kept; an unknown setting or seed is refused, naming the known ones."""
-    def run(*args):
-        return subprocess.run(["bash", "scripts/longtail_seeds.sh", "--dry-run", "--root", str(tmp_path),
-                               "--run-s", "99", *args], cwd=REPO, capture_output=True, text=True)
-    out = run("pipeline-default:1", "conventional-G8-H1024:2")
+def test_reproduce_runs_chosen_settings_and_seeds(tmp_path):
+    """reproduce.sh --runs NAME:SEED ...: exactly those settings of the task's matrix at those seeds, in that
+    order (the long-tail set of 2,400-s runs: PipelineRL at its default, conventional G = 8 at the whole batch
+    on both cores, the same B and lr); a run with its DONE file is kept; an unknown setting or seed is
+    refused, naming the known ones."""
+    def run(runs):
+        return subprocess.run(["bash", "scripts/reproduce.sh", "--task", "longtail", "--dry-run", "--root",
+                               str(tmp_path), "--run-s", "99", "--target", "0.459", "--runs", runs],
+                              cwd=REPO, capture_output=True, text=True)
+    out = run("pipeline-default:1 conventional-G8-H1024:2")
     assert out.returncode == 0, out.stderr
-    lines = [shlex.split(line) for line in out.stdout.splitlines()]
-    assert all(line[:6] == ["timeout", "--signal=TERM", "--kill-after=60", "99", "bash", "run.sh"] for line in lines)
-    pipe, conv = checked([line[6:] for line in lines])
+    pipe, conv = checked([shlex.split(line)[2:] for line in out.stdout.splitlines() if line.startswith("bash ")])
     for c, seed in ((pipe, 1), (conv, 2)):
         assert (c["trainer"]["batch_size"], c["trainer"]["lr"], c["data"]["task"]) == (128, 1e-4, "longtail")
         assert (c["run"]["seed"], c["actor"]["eval_every"]) == (seed, 16)
@@ -273,12 +273,13 @@ def test_longtail_seeds_commands(tmp_path):
     a = conv["actor"]
     assert (a["schedule"], a["G_steps"], a["max_lag"], a["max_inflight"]) == ("conventional", 8, 7, 1024)
     assert a["cpu_cores"] == conv["trainer"]["cpu_cores"] == "0-1"
+    assert out.stdout.splitlines()[-1].endswith(f"plot.py {tmp_path}/*/ --out docs/figures/longtail --target 0.459")
     (tmp_path / "pipeline-default-s1").mkdir()
     (tmp_path / "pipeline-default-s1" / "DONE").touch()
-    assert run("pipeline-default:1").stdout == f"kept: {tmp_path}/pipeline-default-s1\n"
+    assert f"# kept: {tmp_path}/pipeline-default-s1\n" in run("pipeline-default:1").stdout
     bad = run("pipeline-H64:0")
-    assert bad.returncode == 2 and "pipeline-default, conventional-G8-H1024" in bad.stderr
-    assert run("pipeline-default:x").returncode == 2
+    assert bad.returncode == 2 and "(pipeline-default, conventional-G8-H1024, " in bad.stderr
+    assert run("pipeline-default:x").returncode == 2 and run("pipeline-default").returncode == 2
 
 
 def test_best_conventional_is_the_fastest_to_the_common_target(tmp_path, capsys):
@@ -302,33 +303,63 @@ def test_reproduce_keeps_existing_runs_and_plots_them(tmp_path):
         name = d.rsplit("/", 1)[1]
         make_run(root, name, [a for a in args if not a.startswith("run.dir=")], 2.0)
         (root / name / "marker").write_text("keep me")
+        (root / name / "DONE").touch()
     out = subprocess.run(["bash", "scripts/reproduce.sh", "--quick", "--root", str(root)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("exists: kept") == 2 and "bash run.sh" not in out.stdout
+    assert out.stdout.count("is done: kept") == 2 and "bash run.sh" not in out.stdout
     assert all((d / "marker").read_text() == "keep me" for d in root.iterdir() if d.name != "figures")
     assert (root / "figures" / "summary.md").exists()
 
 
-def test_reproduce_budget_stops_each_run(tmp_path):
-    """Each run ends after --run-s with SIGTERM to run.sh (which stops its roles); runs go one at a time."""
-    (tmp_path / "scripts").mkdir()
-    (tmp_path / "scripts/reproduce.sh").write_text((REPO / "scripts/reproduce.sh").read_text())
-    (tmp_path / "run.sh").write_text("""
+FAKE_RUN_SH = """
 for a in "$@"; do case $a in run.dir=*) D=${a#run.dir=};; esac; done
 trap 'echo stopped > "$D/stopped"; rm "$D/running"; exit 130' TERM
 ls "$D/../"*/running 2>/dev/null && exit 3   # another run still going: not one at a time
+[[ -e fail ]] && { echo "no trainer"; exit 1; }
 touch "$D/running"; echo '{"step": 1}' > "$D/metrics_trainer.jsonl"; echo "step    1 | fake"
 while true; do sleep 0.1; done
-""")
+"""
+
+
+def fake_reproduce(tmp_path, *flags):
+    """reproduce.sh --quick --run-s 1 against a run.sh that logs one step and then waits for its SIGTERM."""
+    (tmp_path / "scripts").mkdir(exist_ok=True)
+    (tmp_path / "scripts/reproduce.sh").write_text((REPO / "scripts/reproduce.sh").read_text())
+    (tmp_path / "run.sh").write_text(FAKE_RUN_SH)
     env = {"PY": "/bin/true", "REPRO_GAP_S": "0", "PATH": "/usr/bin:/bin"}  # PY: no plotting here
-    out = subprocess.run(["bash", "scripts/reproduce.sh", "--quick", "--run-s", "1", "--root", str(tmp_path / "r")],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(["bash", "scripts/reproduce.sh", "--quick", "--run-s", "1", "--root", str(tmp_path / "r"),
+                           *flags], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_reproduce_budget_stops_each_run(tmp_path):
+    """Each run ends after --run-s with SIGTERM to run.sh (which stops its roles); runs go one at a time; each
+    run that ended well gets its DONE file."""
+    out = fake_reproduce(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     runs = sorted((tmp_path / "r").iterdir())
     assert [d.name for d in runs] == ["conventional-G4-H256-s0", "pipeline-H256-s0"]
     assert all((d / "stopped").read_text() == "stopped\n" for d in runs)
+    assert all((d / "DONE").exists() for d in runs)
     assert out.stdout.count("last: step    1 | fake") == 2
+
+
+def test_reproduce_runs_again_what_did_not_finish(tmp_path):
+    """A failed run gets no DONE file; a run directory without one (a run interrupted or failed) is deleted and
+    run again, while a finished one is kept; --runs runs only what it names."""
+    (tmp_path / "fail").touch()
+    out = fake_reproduce(tmp_path)
+    assert out.returncode == 1 and out.stderr.count("FAILED (rc 1") == 2
+    assert not any((d / "DONE").exists() for d in (tmp_path / "r").iterdir())
+    (tmp_path / "fail").unlink()
+    pipe, conv = tmp_path / "r/pipeline-H256-s0", tmp_path / "r/conventional-G4-H256-s0"
+    out = fake_reproduce(tmp_path, "--runs", "pipeline-H256:0")
+    assert out.returncode == 0 and "has no DONE file" in out.stdout, out.stdout + out.stderr
+    assert (pipe / "DONE").exists() and not (conv / "DONE").exists()
+    (pipe / "marker").touch()
+    out = fake_reproduce(tmp_path)
+    assert out.returncode == 0 and f"{pipe} is done: kept" in out.stdout
+    assert (pipe / "marker").exists() and (conv / "DONE").exists()
 
 
 def test_throughput_model_cli_predicts_every_reproduce_setting(tmp_path, capsys):
