@@ -114,11 +114,11 @@ command_for() {  # name|overrides|seed -> the run.sh arguments, one per line
 }
 
 # --runs: each NAME:SEED as name|overrides|seed, from the task's matrix
-SELECTED=()
+SELECTED=(); names=""
+for s in "$PIPE" "${TUNE[@]}"; do names+="${names:+, }${s%%|*}"; done
 for item in $RUNS; do
-  name=${item%:*}; seed=${item##*:}; found=""; names=""
+  name=${item%:*}; seed=${item##*:}; found=""
   for s in "$PIPE" "${TUNE[@]}"; do
-    names+="${names:+, }${s%%|*}"
     if [[ "${s%%|*}" == "$name" ]]; then found=$s; fi
   done
   if [[ "$item" != *:* || ! "$seed" =~ ^[0-9]+$ ]]; then
@@ -130,14 +130,14 @@ for item in $RUNS; do
   SELECTED+=("$found|$seed")
 done
 
-dir_of() { local args; mapfile -t args < <(command_for "$1"); echo "${args[-1]#run.dir=}"; }
-is_kept() { [[ -f "$(dir_of "$1")/DONE" ]] && (( ! FORCE )); }   # name|overrides|seed
+is_kept() { [[ -f "$1/DONE" ]] && (( ! FORCE )); }   # run directory
 
 if (( DRY )); then
   show() {  # name|overrides|seed -> its run.sh command, or "# kept: DIR"
     local args
     mapfile -t args < <(command_for "$1")
-    if is_kept "$1"; then echo "# kept: $(dir_of "$1")"; else echo "bash run.sh ${args[*]}"; fi
+    local dir="${args[-1]#run.dir=}"
+    if is_kept "$dir"; then echo "# kept: $dir"; else echo "bash run.sh ${args[*]}"; fi
   }
   if (( ${#SELECTED[@]} )); then
     echo "# ${#SELECTED[@]} runs, one at a time, each stopped after ${RUN_S} s (timeout -s TERM) or trainer.max_steps"
@@ -168,7 +168,7 @@ run_one() {  # name|overrides|seed
   local r=$1 dir rc args
   mapfile -t args < <(command_for "$r")
   dir="${args[-1]#run.dir=}"
-  if is_kept "$r"; then echo "[reproduce] $dir is done: kept (--force to redo)"; return; fi
+  if is_kept "$dir"; then echo "[reproduce] $dir is done: kept (--force to redo)"; return; fi
   if [[ -e "$dir" ]]; then
     [[ -f "$dir/DONE" ]] || echo "[reproduce] $dir has no DONE file (the run was interrupted or failed): run again"
     rm -rf -- "$dir"
@@ -199,7 +199,7 @@ if (( ${#SELECTED[@]} )); then
 else
   for s in "$PIPE" "${TUNE[@]}"; do run_one "$s|${SEED_LIST[0]}"; done
 fi
-if (( ! ${#SELECTED[@]} && ${#SEED_LIST[@]} > 1 )); then
+if (( ${#SELECTED[@]} == 0 && ${#SEED_LIST[@]} > 1 )); then
   best=$("$PY" scripts/plot.py "$ROOT"/*-s"${SEED_LIST[0]}"/ --best-conventional) || best=""
   echo "[reproduce] best conventional setting at seed ${SEED_LIST[0]}: ${best:-none reached the target}"
   for seed in "${SEED_LIST[@]:1}"; do
