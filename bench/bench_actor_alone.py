@@ -45,7 +45,7 @@ def main():
     import zmq
     import actor
     import common
-    from scripts.launch import read_jsonl
+    from scripts.rundir import read_jsonl
     import weights_sync as ws
     from safetensors.torch import load_file
     from tests.conftest import free_port

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-from scripts.trace import read_events  # noqa: E402
+from scripts.rundir import read_events  # noqa: E402
 from weights_sync import WeightUpdateExtension  # noqa: E402
 
 

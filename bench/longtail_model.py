@@ -72,7 +72,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from scripts.launch import read_jsonl  # noqa: E402
+from scripts.rundir import read_jsonl  # noqa: E402
 from scripts.throughput_model import (MeasuredU, predict, r_conventional, r_pipeline,  # noqa: E402
                                       t_gen_slots)
 import common  # noqa: E402

@@ -24,16 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-
-def records(path):
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts.rundir import read_jsonl as records  # noqa: E402  (skips a torn line)
 
 
 def figures(run_dir, gain=0.25, alone=None):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.launch import read_jsonl as records  # noqa: E402  (skips a torn line)
+from scripts.rundir import read_jsonl as records  # noqa: E402  (skips a torn line)
 
 
 def figures(run_dir) -> dict:

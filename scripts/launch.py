@@ -14,7 +14,6 @@ that nothing else writes to: what an import prints on stdout (vLLM logs there) m
 shell command. A bad config prints `config error: ...` alone on stderr and exits 2, before any
 process starts.
 """
-import contextlib
 import json
 import os
 import shlex
@@ -28,6 +27,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from common import REPO, ConfigError  # noqa: E402
+from scripts.rundir import read_appended, read_jsonl  # noqa: E402
+from scripts.throughput_model import n_cores, r_pipeline  # noqa: E402
 
 
 # --- checks before any process starts: the model and this node's GPUs ---------------------------------
@@ -246,32 +247,6 @@ def shell(overrides: list, visible=None) -> str:
     return "\n".join(lines)
 
 
-def read_jsonl(path) -> list:
-    """Records of a metrics file (run directories, tests, plots); a torn last line (a killed writer) is skipped."""
-    records = []
-    for line in Path(path).read_text().splitlines() if Path(path).exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):
-            records.append(json.loads(line))
-    return records
-
-
-def _new_records(path: Path, offset: int):
-    """Complete JSONL lines appended to `path` since byte `offset` -> (records, new offset)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            chunk = f.read()
-    except FileNotFoundError:
-        return [], offset
-    end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next poll
-    records = []
-    for line in chunk[:end].splitlines():
-        # a writer killed mid-line and then resumed leaves a torn record joined to the next one
-        with contextlib.suppress(ValueError):
-            records.append(json.loads(line))
-    return [r for r in records if isinstance(r, dict)], offset + end
-
-
 def progress(run_dir: str, poll_s: float = 1.0, window_s: float = 10.0):
     """Follow the trainer's and actor's metrics; print one line per optimizer step (run.sh).
     Reads only what was appended since the last poll. samples/s is since the newest step at least
@@ -289,9 +264,9 @@ def progress(run_dir: str, poll_s: float = 1.0, window_s: float = 10.0):
         print(f"resuming {run_dir.name} after step {steps[-1]['step']} | test {test}", flush=True)
     recent = []  # (time, samples_total) of the steps in the window, and of the one before it
     while True:
-        recs, offsets["metrics_trainer.jsonl"] = _new_records(run_dir / "metrics_trainer.jsonl",
-                                                              offsets["metrics_trainer.jsonl"])
-        evals, offsets["eval.jsonl"] = _new_records(run_dir / "eval.jsonl", offsets["eval.jsonl"])
+        recs, offsets["metrics_trainer.jsonl"] = read_appended(run_dir / "metrics_trainer.jsonl",
+                                                               offsets["metrics_trainer.jsonl"])
+        evals, offsets["eval.jsonl"] = read_appended(run_dir / "eval.jsonl", offsets["eval.jsonl"])
         if evals:
             test = f"{evals[-1]['test_reward']:.3f} (v{evals[-1]['version']})"
         for r in recs:
@@ -368,7 +343,6 @@ def device_split(run_dir) -> str:
     with its two rates measured here: samples/s of one generation device while its engine is busy
     (U(H) at this run's H) and of one training device while it trains (1/tau); the paper's
     r_pipe = min(U(H)*I, (N - I)/tau) (scripts/throughput_model.py; App. A). -> "" without data."""
-    from scripts.throughput_model import n_cores, r_pipeline
     engine, trainer = busy_fractions(run_dir)
     steps = [r for r in read_jsonl(Path(run_dir) / "metrics_trainer.jsonl") if "trainer/busy" in r]
     if not (engine and trainer) or len(steps) < 2 or not (Path(run_dir) / "config.yaml").exists():

@@ -3,7 +3,8 @@
     .venv/bin/python scripts/plot.py runs/repro/* [--out docs/figures] [--target 0.6] [--smooth 1]
 
 Reads, per run directory: config.yaml (the resolved config: it names the setting), metrics_trainer.jsonl
-(one record per optimizer step, keys `trainer/...`), eval.jsonl (test reward per evaluated version).
+(one record per optimizer step, keys `trainer/...`), eval.jsonl (test reward per evaluated version),
+through scripts/rundir.py (rundir.Run: one run's arrays; rundir.group_settings: the settings).
 Writes PNGs and summary.md into --out (default: figures/ next to the first run):
 
   fig5a_reward_vs_time.png    train and test reward vs wall-clock time           (paper Fig. 5a)
@@ -32,152 +33,18 @@ import math
 import re
 import sys
 import warnings
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from scripts.launch import read_jsonl  # noqa: E402
+from scripts.rundir import group_settings, load_runs, read_events, smooth  # noqa: E402
 from loss import LAG_BUCKET_LABELS  # noqa: E402
 
 DEFAULT_TARGET = 0.6
 FIGURES = ["fig5a_reward_vs_time.png", "fig5b_reward_vs_samples.png", "fig5c_samples_vs_time.png",
            "fig6_lag_ess.png", "fig3a_lag_by_position.png", "fig3b_throughput_vs_lag.png", "fig7_kl_vs_lag.png"]
-# Config fields that make a setting; runs equal in all of them are seeds of one setting.
-SETTING_FIELDS = [("actor", "schedule"), ("actor", "G_steps"), ("actor", "max_inflight"), ("actor", "recompute_kv"),
-                  ("actor", "max_lag"), ("actor", "cpu_cores"), ("trainer", "cpu_cores"), ("actor", "engines"),
-                  ("trainer", "nproc"), ("trainer", "batch_size"), ("trainer", "lr"), ("actor", "group_size"),
-                  ("actor", "max_tokens"), ("actor", "temperature"), ("model", "path"), ("data", "task")]
-SHORT = {"max_inflight": "H", "G_steps": "G", "batch_size": "B"}
-
-
-# --- loading -------------------------------------------------------------------------------------------
-
-def smooth(y, k):
-    """Trailing moving average over k points (fewer at the start); k <= 1: y as it is."""
-    if k <= 1 or len(y) < 2:
-        return y
-    c = np.cumsum(np.insert(np.nan_to_num(y), 0, 0.0))
-    n = np.minimum(np.arange(1, len(y) + 1), k)
-    return (c[1:] - c[np.arange(1, len(y) + 1) - n]) / n
-
-
-class Run:
-    """One run directory's metrics as arrays. t: seconds since time zero; samples: sequences trained on."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.cfg = yaml.safe_load((self.path / "config.yaml").read_text())
-        by_step = {}
-        for r in read_jsonl(self.path / "metrics_trainer.jsonl"):
-            if "trainer/reward_mean" in r:  # skips the final `done` summary record
-                by_step[r["step"]] = r  # a resumed run may log a step twice: keep the last
-        self.recs = [by_step[s] for s in sorted(by_step)]
-        self.seed = self.cfg["run"]["seed"]
-        if not self.recs:
-            return
-        B = self.cfg["trainer"]["batch_size"]
-        first = self.recs[0]
-        sps = first.get("trainer/samples_per_s", 0) or 0
-        interval = B / sps if sps > 0 else \
-            sum(first.get(f"trainer/{k}", 0) for k in ("wait_s", "train_s", "broadcast_s"))
-        self.t0 = first["time"] - interval
-        self.step = np.array([r["step"] for r in self.recs])
-        self.t = np.array([r["time"] - self.t0 for r in self.recs])
-        self.samples = np.array([r.get("trainer/samples_total", B * r["step"]) for r in self.recs], dtype=float)
-        g = lambda k: np.array([r.get(f"trainer/{k}", np.nan) for r in self.recs], dtype=float)  # noqa: E731
-        self.reward, self.ess, self.lag_mean, self.lag_max = g("reward_mean"), g("ess"), g("lag_mean"), g("lag_max")
-        self.tokens = g("tokens")
-        # Test evaluations -> (t, samples, test reward) at the step that produced the evaluated version.
-        at = {int(r["step"]): (r["time"] - self.t0, s) for r, s in zip(self.recs, self.samples)}
-        ev = []
-        for e in sorted(read_jsonl(self.path / "eval.jsonl"), key=lambda e: e["version"]):
-            v = int(e["version"])
-            if v in at:
-                ev.append((*at[v], e["test_reward"]))
-            elif v < self.step[0]:  # the initial weights (or a resumed run's checkpoint)
-                ev.append((0.0, 0.0 if v == 0 else float(np.interp(v, self.step, self.samples)), e["test_reward"]))
-            else:  # that step's record is missing (log_every > 1, killed writer): place it by the eval's time
-                t = e["time"] - self.t0
-                ev.append((t, float(np.interp(t, self.t, self.samples)), e["test_reward"]))
-        self.eval_t, self.eval_samples, self.test = (np.array(c, dtype=float) for c in zip(*ev)) if ev else \
-            (np.array([]), np.array([]), np.array([]))
-
-    def value(self, section, key):
-        return self.cfg.get(section, {}).get(key)
-
-    def setting(self) -> tuple:
-        return tuple(self.value(s, k) for s, k in SETTING_FIELDS)
-
-    @property
-    def schedule(self):
-        return self.value("actor", "schedule")
-
-    def mean_lag(self) -> float:
-        """Token-weighted mean lag over the run."""
-        ok = ~np.isnan(self.lag_mean) & ~np.isnan(self.tokens)
-        return float((self.lag_mean[ok] * self.tokens[ok]).sum() / max(self.tokens[ok].sum(), 1))
-
-    def samples_per_s(self) -> float:
-        return float(self.samples[-1] / self.t[-1]) if self.t[-1] > 0 else float("nan")
-
-    def smoothed_test(self, k: int) -> np.ndarray:
-        """Trailing moving average over k evaluations (k=1: as measured)."""
-        return smooth(self.test, k)
-
-    def first_reaching(self, target, k=1):
-        """(time, samples) of the first evaluation whose (smoothed) test reward >= target, else None."""
-        y = self.smoothed_test(k)
-        hit = np.nonzero(y >= target - 1e-12)[0]
-        return (float(self.eval_t[hit[0]]), float(self.eval_samples[hit[0]])) if len(hit) else None
-
-
-def load_runs(paths) -> list:
-    runs = []
-    for p in paths:
-        p = Path(p)
-        if not (p / "config.yaml").exists():
-            print(f"[plot] skipping {p}: no config.yaml", file=sys.stderr)
-            continue
-        run = Run(p)
-        if not run.recs:
-            print(f"[plot] skipping {p}: no optimizer steps in metrics_trainer.jsonl", file=sys.stderr)
-            continue
-        runs.append(run)
-    return runs
-
-
-def group_settings(runs) -> "OrderedDict[str, list]":
-    """Runs grouped by setting, labelled by schedule and settings, in a fixed order: PipelineRL (stale KV,
-    then recomputed KV) by H, then conventional by G."""
-    groups = {}
-    for r in runs:
-        groups.setdefault(r.setting(), []).append(r)
-    idx = {f: i for i, f in enumerate(SETTING_FIELDS)}
-
-    def base(key):
-        a = lambda k: key[idx[("actor", k)]]  # noqa: E731
-        if a("schedule") == "conventional":
-            return f"Conventional G={a('G_steps')}"
-        return f"PipelineRL H={a('max_inflight')}" + (", recomputed KV" if a("recompute_kv") else "")
-
-    labels = {}
-    for key in groups:
-        same = [k for k in groups if base(k) == base(key)]
-        extra = [f"{SHORT.get(f[1], f[0] + '.' + f[1])}={key[i]}" for i, f in enumerate(SETTING_FIELDS)
-                 if len({k[i] for k in same}) > 1]
-        labels[key] = ", ".join([base(key)] + extra)
-
-    def order(key):
-        a = lambda k: key[idx[("actor", k)]]  # noqa: E731
-        return (a("schedule") == "conventional", bool(a("recompute_kv")), a("G_steps"), a("max_inflight"), labels[key])
-    out = OrderedDict()
-    for key in sorted(groups, key=order):
-        out[labels[key]] = sorted(groups[key], key=lambda r: r.seed)
-    return out
 
 
 # --- drawing helpers ---------------------------------------------------------------------------------------
@@ -497,7 +364,6 @@ def fig_timeline(conventional, pipeline, path):
     evaluation shaded. Both panels share their scales; each title gives the span's mean h and tokens/s.
     -> the spans drawn: conventional_start, span, pipeline_start (time.time() seconds)."""
     import matplotlib.pyplot as plt
-    from scripts.trace import read_events
 
     def records(run, prefix):
         files = sorted(Path(run).glob(f"events_{prefix}*.jsonl"))

@@ -47,6 +47,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
+from scripts.rundir import group_settings, load_runs  # noqa: E402
 
 PAPER_TAU = 4.4  # fitted: see the docstring
 PAPER_H_GRID = (64, 128, 192, 256, 320, 384, 448, 512)
@@ -186,9 +187,8 @@ def predict(cfg: dict, U: MeasuredU, tau: float, lengths, rng_seed=0) -> float:
 
 
 def from_runs(run_dirs) -> tuple:
-    """Settings of the runs as scripts/plot.py groups and labels them -> ({label: config}, {label: mean
-    measured samples/s over its seeds})."""
-    from scripts.plot import group_settings, load_runs
+    """Settings of the runs as scripts/plot.py groups and labels them (rundir.group_settings) ->
+    ({label: config}, {label: mean measured samples/s over its seeds})."""
     groups = group_settings(load_runs(run_dirs))
     return ({label: runs[0].cfg for label, runs in groups.items()},
             {label: float(np.mean([r.samples_per_s() for r in runs])) for label, runs in groups.items()})

@@ -16,11 +16,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.launch import read_jsonl  # noqa: E402
-
-
-# an events file is JSONL: the project's reader, which skips a line torn by a killed writer
-read_events = read_jsonl
+# the project's reader of an events file, which skips a line torn by a killed writer
+from scripts.rundir import read_events  # noqa: E402
 
 
 def to_trace(run_dir) -> dict:

@@ -31,7 +31,8 @@ def forkserver():
 
 
 # --- the core's calls as tests use them (the roles call the parts these join) ------------------------------
-from scripts.launch import read_jsonl  # noqa: E402, F401  (metrics files; run.sh's summary reads them too)
+# metrics files: run.sh's summary reads them with the same reader
+from scripts.rundir import read_jsonl  # noqa: E402, F401
 
 
 def send(sock, header: dict, arrays: dict):

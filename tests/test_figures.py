@@ -16,7 +16,7 @@ import yaml
 import common
 from conftest import REPO
 from loss import LAG_BUCKET_LABELS
-from scripts import plot
+from scripts import plot, rundir
 from scripts import throughput_model as tm
 
 B = 128
@@ -107,7 +107,7 @@ def test_summary_speedup_from_known_times(synthetic):
 
 def test_runs_group_by_setting_and_time_starts_at_first_wait(synthetic):
     _, dirs, _ = synthetic
-    groups = plot.group_settings(plot.load_runs(dirs))
+    groups = rundir.group_settings(rundir.load_runs(dirs))
     assert [len(v) for v in groups.values()] == [2, 1, 1, 1]  # the two pipeline seeds are one setting
     run = groups["PipelineRL H=64"][0]
     assert run.t[0] == pytest.approx(2.25) and len(run.t) == 30  # 'done' record and torn line skipped
@@ -118,7 +118,7 @@ def test_runs_group_by_setting_and_time_starts_at_first_wait(synthetic):
 def test_lowered_and_explicit_target(tmp_path):
     a = make_run(tmp_path, "pipe", [], 2.0, reward_at_reach=0.5)
     c = make_run(tmp_path, "conv", CONV + ["actor.G_steps=4", "actor.max_lag=3"], 4.0, reward_at_reach=0.55)
-    groups = plot.group_settings(plot.load_runs([a, c]))
+    groups = rundir.group_settings(rundir.load_runs([a, c]))
     text = plot.summarize(groups)
     assert "Target test reward: 0.500: the best test reward every run reached" in text
     # conventional hits 0.5 at version 16 (0.4 + 0.15*16/20 = 0.52 >= 0.5; version 12 gives 0.49): 64 s; pipeline 40 s
@@ -138,13 +138,13 @@ def test_every_reproduce_setting_gets_its_own_colour(tmp_path):
     dirs = [make_run(tmp_path, f"conv-G{g}-H{h}", CONV + [f"actor.G_steps={g}", f"actor.max_lag={g - 1}",
                                                           f"actor.max_inflight={h}"], 2.0, n_steps=2)
             for g, h in grid] + [make_run(tmp_path, "pipe", [], 1.0, n_steps=2)]
-    colors = plot.colors_for(plot.group_settings(plot.load_runs(dirs)))
+    colors = plot.colors_for(rundir.group_settings(rundir.load_runs(dirs)))
     assert len(grid) == 11 and len(colors) == 12 and len(set(colors.values())) == 12, colors
 
 
 def test_kl_by_lag_is_token_weighted(tmp_path):
     d = make_run(tmp_path, "r", [], 1.0, n_steps=2)
-    run = plot.load_runs([d])[0]
+    run = rundir.load_runs([d])[0]
     run.recs[0].update({"trainer/kl_lag_1": 0.1, "trainer/tokens_lag_1": 100})
     run.recs[1].update({"trainer/kl_lag_1": 0.4, "trainer/tokens_lag_1": 300})
     kl, tok = plot.kl_by_lag([run])
@@ -153,7 +153,8 @@ def test_kl_by_lag_is_token_weighted(tmp_path):
 
 
 def test_plot_reads_the_keys_the_roles_write():
-    """plot.py reads these names; trainer.py and verifier.py (which grades evaluations) must still write them."""
+    """scripts/rundir.py and plot.py read these names; trainer.py and verifier.py (which grades
+    evaluations) must still write them."""
     trainer_src, verifier_src = (REPO / "trainer.py").read_text(), (REPO / "verifier.py").read_text()
     for key in ("reward_mean", "ess", "lag_mean", "lag_max", "tokens", "samples_per_s", "samples_total",
                 "lag_by_position"):

@@ -16,7 +16,7 @@ import common
 import tasks
 from common import ConfigError
 from conftest import REPO
-from scripts import launch
+from scripts import launch, rundir
 
 BOTH = ("verifier", "trainer", "actor")
 
@@ -232,17 +232,17 @@ def test_hf_datasets_loader_reads_a_local_dataset_folder(tmp_path):
 def test_progress_reads_only_appended_complete_lines(tmp_path):
     path = tmp_path / "metrics_trainer.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"ste')  # the writer is mid-line
-    recs, off = launch._new_records(path, 0)
+    recs, off = rundir.read_appended(path, 0)
     assert [r["step"] for r in recs] == [1, 2]
     with open(path, "a") as f:
         f.write('p": 3}\n')
-    recs, off2 = launch._new_records(path, off)
+    recs, off2 = rundir.read_appended(path, off)
     assert [r["step"] for r in recs] == [3] and off2 == path.stat().st_size
-    assert launch._new_records(tmp_path / "missing.jsonl", 5) == ([], 5)
+    assert rundir.read_appended(tmp_path / "missing.jsonl", 5) == ([], 5)
     # a writer killed mid-line, then resumed: the torn record joins the next one; both are lost
     with open(path, "a") as f:
         f.write('{"step": 4, "ti' + '{"step": 5}\n7\n{"step": 6}\n')
-    recs, _ = launch._new_records(path, off2)
+    recs, _ = rundir.read_appended(path, off2)
     assert [r["step"] for r in recs] == [6]
     (tmp_path / "eval.jsonl").write_text('{"version": 0, "test_reward": 0.4}\n{"version": 10, "test_reward": 0.5}\n')
     path.write_text('{"step": 7, "trainer/lag_max": 2}\n{"step": 7, "trainer/done": 1}\n')

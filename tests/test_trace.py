@@ -18,7 +18,8 @@ import common
 from actor import token_lags
 from conftest import REPO, read_jsonl
 from scripts import launch
-from scripts.trace import read_events, to_trace
+from scripts.rundir import read_events
+from scripts.trace import to_trace
 from test_e2e import finish, short_config, start
 
 
