@@ -55,9 +55,10 @@ class PeerTimeout(RuntimeError):
 TRAINING_PRIORITY = 0
 EVAL_PRIORITY = 1
 
-def engine_args(cfg, proc_index: int = 0, device_ids: list = None):
+def engine_args(cfg, proc_index: int = 0, device_ids: list = None, engine: int = 0):
     """vLLM settings that matter for RL (docs/DESIGN.md, "Known traps", measured on vLLM 0.32);
-    device_ids: the engine's GPUs, as indices into those CUDA_VISIBLE_DEVICES names."""
+    device_ids: the engine's GPUs, as indices into those CUDA_VISIBLE_DEVICES names; engine: its
+    index in this process."""
     import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
     on_gpu = torch.cuda.is_available()
@@ -68,7 +69,8 @@ def engine_args(cfg, proc_index: int = 0, device_ids: list = None):
                "gpu_memory_utilization": cfg.actor.gpu_memory_utilization} if on_gpu
               else {"kv_cache_memory_bytes": int(cfg.actor.kv_cache_gb * 2**30)})
     return AsyncEngineArgs(
-        model=cfg.model_path, dtype=cfg.compute_dtype(on_gpu), seed=cfg.run.seed + proc_index,
+        model=cfg.model_path, dtype=cfg.compute_dtype(on_gpu),
+        seed=engine_seed(cfg, proc_index, engine),
         # CPU: eager is what works; GPU: CUDA graphs
         enforce_eager=not on_gpu,
         # a group shares its prompt: no KV computed by old weights
@@ -80,9 +82,21 @@ def engine_args(cfg, proc_index: int = 0, device_ids: list = None):
         # ignore the checkpoint's sampling defaults (e.g. repetition penalty)
         generation_config="vllm",
         scheduling_policy="priority",
+        # tp > 1: workers in processes of their own, whose RPCs time out after sync.timeout_s (vLLM
+        # would pick Ray where a Ray placement group exists); tp = 1: the worker runs in the engine
+        # core, where the weight group's own timeouts bound an update
+        distributed_executor_backend="mp" if cfg.actor.tp > 1 else None,
         # CPU: a step's token budget (vLLM's default there: 2048) must hold one token a sequence
         max_num_seqs=seqs, max_num_batched_tokens=None if on_gpu else max(2048, seqs),
         worker_extension_cls="weights_sync.WeightUpdateExtension", device_ids=device_ids, **memory)
+
+def engine_seed(cfg, proc_index: int, engine: int) -> int:
+    """Each engine's sampling seed, a function of run.seed, its process and its index there. vLLM
+    draws a request's sampling noise from a generator seeded by the engine's seed (GPU: a seed per
+    request from it; CPU: the global one), so the k-th request of two engines seeded alike draws the
+    same noise: a group's attempts spread over them were duplicates (seen on CPU: two engines'
+    first completions of one prompt, identical)."""
+    return int(np.random.SeedSequence([cfg.run.seed, proc_index, engine]).generate_state(1)[0])
 
 def eval_slots(cfg, proc_index: int = 0) -> int:
     """Engine slots for evaluation requests, on top of the H training sequences
@@ -120,9 +134,15 @@ def start_engines(cfg, proc_index: int = 0) -> list:
     # actor.gpus holds physical ids (run.sh: the ids it sets CUDA_VISIBLE_DEVICES to)
     visible = (os.environ.get("CUDA_VISIBLE_DEVICES")
                or ",".join(map(str, range(torch.cuda.device_count())))).split(",")
-    gpus, tp = (cfg.actor.gpus or ",".join(visible)).split(","), cfg.actor.tp
-    return start_at_once(cfg, proc_index, [[visible.index(g) for g in gpus[e * tp:(e + 1) * tp]]
-                                           for e in range(cfg.actor.engines)])
+    return start_at_once(cfg, proc_index, engine_devices(cfg, visible))
+
+def engine_devices(cfg, visible: list) -> list:
+    """Each engine's GPUs as indices into `visible` (the CUDA_VISIBLE_DEVICES names): engine e takes
+    GPUs e*tp..(e+1)*tp-1 of actor.gpus (empty: the first visible ones). The set is checked as
+    run.sh checks it (common.gpu_set): too few would hand vLLM an empty device list, which it reads as
+    "no choice" (device 0)."""
+    gpus, tp = common.gpu_set(cfg, "actor", visible), cfg.actor.tp
+    return [[visible.index(g) for g in gpus[e * tp:(e + 1) * tp]] for e in range(cfg.actor.engines)]
 
 def start_at_once(cfg, proc_index: int, devices: list) -> list:
     """One engine per entry of `devices`, started concurrently: each loads its model and, on GPU,
@@ -135,8 +155,12 @@ def start_at_once(cfg, proc_index: int, devices: list) -> list:
         # line and newline in one write: print's two writes from two threads can interleave
         # ("...engine 0: starting[actor] engine 1: starting" was seen)
         print(f"[actor] engine {e}: starting\n", end="", flush=True)
-        engine = AsyncLLM.from_engine_args(engine_args(cfg, proc_index, devices[e]))
-        print(f"[actor] engine {e}: up in {time.time() - t0:.0f} s\n", end="", flush=True)
+        engine = AsyncLLM.from_engine_args(engine_args(cfg, proc_index, devices[e], e))
+        # vLLM's V1 model runner on CPU (V2 needs Triton); V2 by default on GPU, where
+        # VLLM_USE_V2_MODEL_RUNNER=0 is the fallback (docs/DESIGN.md, "Engines on GPU")
+        runner = "V2" if engine.vllm_config.use_v2_model_runner else "V1"
+        up = f"up in {time.time() - t0:.0f} s (vLLM's {runner} model runner)"
+        print(f"[actor] engine {e}: {up}\n", end="", flush=True)
         return engine
 
     with ThreadPoolExecutor(len(devices)) as pool:
@@ -155,12 +179,15 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
 
     Per engine, in this order: pause (running requests keep their KV; with recompute_kv their KV is
     dropped and recomputed under the new weights at resume), and wait for the pause to take effect;
-    then receive and load, label the new version, resume. The last three go out back to back: the
-    engine core runs them in one input drain, so nothing decodes in between and the label is exact.
+    receive and load, and wait for them; then label the new version and resume. While paused the
+    engine decodes nothing, so every token's label is the weights that computed it. A receive that
+    failed (a header that does not match the model, a broadcast cut short) leaves the engine
+    paused at its old label: its weights may be partly new, and no token may come from them.
 
     Why the pause is awaited first (vLLM 0.32, v1/engine/core.py `pause_scheduler`): the engine core
     completes a pause only when it has nothing left to flush (a request that finished in the last
-    step; on GPU a batch in the async-scheduling queue). Sent together with resume, such a pause is
+    step; on GPU a batch in the async-scheduling queue, whose tokens the old weights computed: they
+    must be labelled before the new weights load). Sent together with resume, such a pause is
     answered only when the engine next goes idle, i.e. after every running sequence has finished:
     the update then waited for a drain (measured on CPU: a third of the one-second windows of a
     default run had an update waiting > 0.3 s, up to 3.6 s). Awaited, the pause lasts one step; the
@@ -177,17 +204,13 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
     return stats, time.perf_counter() - t0
 
 async def _update_engine(engine, version: int, recompute_kv: bool, timeout_s: float) -> list:
-    """One engine's update: pause, then receive + label + resume (vLLM 0.32's EngineCoreClient)."""
+    """One engine's update (vLLM 0.32's EngineCoreClient): pause; receive; label and resume, back to
+    back. -> the receive's stats, one dict per worker."""
     core = engine.engine_core
     await core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv)
-    calls = [engine.collective_rpc("receive_weights", timeout=timeout_s),
-             engine.update_weight_version(str(version)),
-             core.resume_scheduler_async()]
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    if errors := [r for r in results if isinstance(r, BaseException)]:
-        # A rejected update (ManifestError) leaves the old weights running: the actor stops.
-        raise errors[0]
-    return results[0]
+    stats = await engine.collective_rpc("receive_weights", timeout=timeout_s)
+    await asyncio.gather(engine.update_weight_version(str(version)), core.resume_scheduler_async())
+    return stats
 
 async def verify_weights(engines, version: int, probe: dict, tolerance: float) -> float:
     """Each engine's logprobs of the trainer's probe sequence (a prompt's logprobs: temperature 1,
@@ -387,6 +410,7 @@ class Actor:
     async def run(self, stop: asyncio.Event) -> ActorState:
         cfg, st = self.cfg, self.st
         announcements = await self.first_weights()
+        common.freeze_heap()
         while not stop.is_set():
             eval_error = self.eval_task and self.eval_task.done() and self.eval_task.exception()
             if error := st.error or announcements.error or eval_error:
@@ -654,7 +678,10 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
 async def amain(cfg, store) -> int:
     import torch.distributed
     proc_index = int(os.environ.get("ACTOR_PROC_INDEX", "0"))
-    engines, stop = start_engines(cfg, proc_index), asyncio.Event()
+    try:
+        engines, stop = start_engines(cfg, proc_index), asyncio.Event()
+    except common.ConfigError as e:  # actor.gpus, when actor.py is started alone
+        sys.exit(f"config error: {e}")
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:

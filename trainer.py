@@ -593,7 +593,7 @@ def send_weights(state, sender, cfg, wait=False) -> float:
     t0 = time.time()
     if cfg.sync.async_send and cfg.weight_world > 1:
         if sender is not None and wait:
-            sender.idle.wait()
+            sender.close()  # the broadcast in flight, bounded
         busy = float(sender is not None and not sender.idle.is_set())
         if all_max([busy], state.fsdp.device)[0]:  # sync: every rank follows rank 0's choice
             return time.time() - t0
@@ -850,7 +850,8 @@ def main():
         store.set("cursor", str(state.max_group_id + 1))
         group = weights_sync.init_group(store, 0, cfg.weight_world, "auto", cfg.sync.timeout_s)
         sender = weights_sync.WeightSender(store, group, cfg.sync.bucket_mb)
-        sender = weights_sync.AsyncSender(sender) if cfg.sync.async_send else sender
+        if cfg.sync.async_send:
+            sender = weights_sync.AsyncSender(sender, cfg.sync.timeout_s)
     send_weights(state, sender, cfg, wait=True)
 
     # --- samples: each rank pulls its own share from the verifier ---
@@ -859,6 +860,7 @@ def main():
     sock.connect(addr)
     share = cfg.trainer.batch_size // world()
     conventional = cfg.actor.schedule == "conventional"
+    common.freeze_heap()
     t_start = t_prev = time.time()
 
     # --- training loop: pull, step, send weights, log, checkpoint ---

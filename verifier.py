@@ -316,6 +316,7 @@ def main():
     print(f"[verifier] rollouts <- {host}:{cfg.ports.rollouts}, samples -> "
           f"{host}:{cfg.ports.samples}, {v.workers} scoring workers", flush=True)
 
+    common.freeze_heap()
     while not stopping:
         # Backpressure: with the pool or the outbox full, rollouts wait in ZMQ's queue up to its
         # high-water mark, then the actor's PUSH waits (without blocking its loop). 50 ms: the

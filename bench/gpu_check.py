@@ -14,6 +14,8 @@ Checks (each independent; a failure is reported and the next check runs):
   fsdp_fp32_ac  the same with trainer.activation_checkpointing=true (re-gather in recomputation)
   fsdp_bf16     the same with bf16 compute (model.dtype auto on GPU): distance from the fp32 reference (< 3e-2)
   sender_stream the AsyncSender broadcasts on its own stream: a training op is not queued behind it (GPU only)
+  step_clock    the engine's step clock (weights_sync.StepClock) times a queued kernel's run on the device,
+                not its queueing (GPU only)
   weight_group_timeout  a weight group whose rank 1 never comes raises after sync.timeout_s, at init_group's
                 meeting in the store (NCCL itself would wait at the first broadcast for ever: H200, 2026-12-04)
   nccl_2rank    two processes on the same GPU in one NCCL group: NCCL refuses this ("Duplicate GPU") in most
@@ -26,7 +28,8 @@ Checks (each independent; a failure is reported and the next check runs):
   big_chunk0    (--big, 1 GPU) big with the whole lm_head at once (trainer.logits_chunk=0) vs big (default)
   big_ranks     (--big, every GPU) the same model, 64 sequences per rank, trainer.prefetch on and off x
                 chunked or not: tokens/s, MFU, peak memory of the busiest rank
-vLLM on GPU is not checked here: the device machine has no vLLM and cannot download it.
+vLLM on GPU is not checked here: the device machine has no vLLM and cannot download it. Where vLLM is
+installed, the env line names the model runner (V1 or V2) that the actor's engine settings select.
 """
 import argparse
 import gc
@@ -168,6 +171,39 @@ def sender_stream():
     sender.close()
     assert overlapped, "the training op waited for the broadcast's stream"
     return {"verdict": "a training op finished while the sender's stream was still busy"}
+
+
+@check("step_clock")
+def step_clock():
+    """weights_sync.StepClock on CUDA times the device's work, not its queueing (the engine's busy
+    fraction and update stall under vLLM's async scheduling): a sleep kernel queued between two marks
+    reads as its own length, while the host spent microseconds queueing it."""
+    if SMOKE:
+        return {"skipped": True, "verdict": "CPU: the host's clock"}
+    clock = weights_sync.StepClock(cuda=True)
+    t0 = time.perf_counter()
+    start = clock.mark()
+    torch.cuda._sleep(int(2e8))  # ~0.1 s of the GPU
+    clock.add(start, clock.mark(), 1)
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    [(begin, end, _)] = clock.finished()
+    assert end - begin > max(0.02, 10 * host), (end - begin, host)
+    return {"verdict": f"device {end - begin:.3f} s for a kernel the host queued in {host * 1e3:.2f} ms"}
+
+
+def engine_runner() -> dict:
+    """Which vLLM model runner the actor's engine settings select here (V2 by default on GPU; V1 with
+    VLLM_USE_V2_MODEL_RUNNER=0, and on CPU): vLLM's own engine config, no model loaded. {} without vLLM."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return {}
+    import actor
+    from scripts.make_tiny_model import random_model_dir
+    model_dir = random_model_dir(Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu_check-runner-{os.getpid()}")
+    config = actor.engine_args(common.load_config([f"model.path={model_dir}"])).create_engine_config()
+    return {"vllm": vllm.__version__, "model_runner": "V2" if config.use_v2_model_runner else "V1"}
 
 
 def _lonely_rank(port, result_q):
@@ -467,6 +503,7 @@ def main():
     REPORT["env"] = {"torch": torch.__version__, "smoke": SMOKE} if SMOKE else {
         "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
         "gpus": torch.cuda.device_count(), "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    REPORT["env"].update(engine_runner())
     print(f"[gpu_check] env: {REPORT['env']}", flush=True)
     if SMOKE:
         torch.set_num_threads(1)
@@ -477,6 +514,7 @@ def main():
     fsdp_fp32_ac(tmp)
     fsdp_bf16(tmp)
     sender_stream()
+    step_clock()
     weight_group_timeout()
     nccl_2rank()
     if args.big:

@@ -62,25 +62,10 @@ def device_sets(cfg, roles, visible: list) -> dict:
     sets = {"actor": cfg.actor.gpus, "trainer": cfg.trainer.gpus}
     if not visible:
         return sets
-    need = {"actor": (cfg.actor.engines * cfg.actor.tp, "actor.engines*actor.tp"),
-            "trainer": (cfg.trainer.nproc, "trainer.nproc")}
     taken, out = [], {"actor": "", "trainer": ""}
     for role in sorted((r for r in out if r in roles), key=lambda r: not sets[r]):  # listed sets first
-        (n, what), key = need[role], f"{role}.gpus"
-        ids = [g.strip() for g in sets[role].split(",")] if sets[role] else \
-            [g for g in visible if g not in taken][:n]
-        for g in ids:
-            if g not in visible:
-                raise ConfigError(f"{key}: GPU {g} is not visible on this node (visible: {','.join(visible)}); "
-                                  f"list visible ids or leave it empty")
-            if g in taken:
-                raise ConfigError(f"actor.gpus/trainer.gpus: GPU {g} is given twice; give each role its own GPUs")
-            taken.append(g)
-        if len(ids) != n:
-            raise ConfigError(f"{key}: lists {len(ids)} GPUs but {what}={n}; list {n} or change "
-                              f"{what.replace('*', ' or ')}" if sets[role] else
-                              f"{key}: {what}={n} needs {n} GPUs but {len(ids)} of this node's {len(visible)} are "
-                              f"free; lower {what.replace('*', ' or ')}, or use more GPUs or nodes")
+        ids = common.gpu_set(cfg, role, visible, taken)
+        taken += ids
         out[role] = ",".join(ids)
     return out
 

@@ -112,8 +112,21 @@ def env(tmp_path_factory, insecure_serialization):
     cfg = make_cfg(tmp, model_dir, store.port, free_port())
     loop = asyncio.new_event_loop()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")  # inherited by the engine core process
-    engine = loop.run_until_complete(_start(cfg))
+    # Two engines as one actor process starts them (engine 1 stays out of the weight group): their first
+    # completions of one prompt, for test_engines_of_one_process_draw_their_own_noise.
+    engine, other = loop.run_until_complete(_start(make_cfg(tmp, model_dir, store.port, free_port(),
+                                                            "actor.engines=2")))
     del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    from vllm import SamplingParams
+    hot = SamplingParams(temperature=2.0, max_tokens=48, ignore_eos=True)
+
+
+    async def first(e, request_id):  # no weights loaded yet: no version labels to read
+        async for out in e.generate(PROMPTS[0], hot, request_id=request_id):
+            pass
+        return list(out.outputs[0].token_ids)
+    firsts = loop.run_until_complete(_gather(first(engine, "first-0"), first(other, "first-1")))
+    other.shutdown()
     box = {}
     th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, cfg.weight_world, "gloo", 60)))
     th.start()
@@ -121,7 +134,7 @@ def env(tmp_path_factory, insecure_serialization):
     th.join()
     sd = state_dict(model_dir)
     ids = {c: tok.convert_tokens_to_ids(c) for c in "ab"}
-    yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd,
+    yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd, firsts=firsts,
                inductor=tmp / "inductor", trainer=FakeTrainer(store, box["pg"]), ids=ids,
                A=constant_model(sd, ids["a"]), B=constant_model(sd, ids["b"], seed=2))
     engine.shutdown()
@@ -133,7 +146,7 @@ def env(tmp_path_factory, insecure_serialization):
 
 
 async def _start(cfg):
-    return actor.start_engines(cfg)[0]
+    return actor.start_engines(cfg)
 
 
 async def _gather(*coros):
@@ -154,6 +167,16 @@ def greedy(env, max_tokens=12):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return env["loop"].run_until_complete(_gather(*(
         actor.generate(env["engine"], p, params, f"greedy-{time.monotonic_ns()}-{i}") for i, p in enumerate(PROMPTS))))
+
+
+def test_engines_of_one_process_draw_their_own_noise(env):
+    """Two engines of one actor process, each given the same prompt as its first request at temperature 2:
+    their completions differ (actor.engine_seed). Seeded alike, as they were, vLLM drew the k-th request's
+    sampling noise alike in every engine, and these two completions were identical: a group's attempts
+    spread over engines, or the same prompt on two engines, were duplicates."""
+    first, other = env["firsts"]
+    assert len(first) == len(other) == 48
+    assert first != other
 
 
 # --- in-flight weight update ----------------------------------------------------------------------------
@@ -387,8 +410,12 @@ def test_manifest_mismatch_rejected_weights_unchanged(env):
     msg = str(err.value)
     assert "model.layers.0.mlp.up_proj.weight" in msg and "model.layers.1.extra.weight" in msg
     assert "missing model.layers.1.mlp.gate_proj.weight" in msg
+    # A failed receive leaves the engine paused at its old label: no token comes from weights that
+    # may be partly new (here they are not: the header is checked before anything changes).
+    assert env["loop"].run_until_complete(env["engine"].is_paused())
+    assert env["loop"].run_until_complete(env["engine"].get_weight_version()) == str(version - 1)
+    assert load(env, env["sd"]) == version + 1  # the group is still in step; the engine resumes
     assert [r["completion_ids"].tolist() for r in greedy(env)] == before
-    assert load(env, env["sd"]) == version + 1  # the group is still in step
 
 
 # --- the actor loop: admission control and schedules -----------------------------------------------------
@@ -602,6 +629,25 @@ def test_heartbeat_before_the_first_sample(env):
 
     _run_loop(env, cfg, trainer_fn)
     assert seen["alive"] and seen["started"] >= cfg.actor.group_size, seen
+
+
+def test_the_startup_heap_is_out_of_the_collectors_reach(env):
+    """Once the actor's loop runs, what start-up built (the imports of vLLM and torch: ~620k objects in a
+    run's actor) is frozen (common.freeze_heap): a full collection walks only what the loop allocates. It
+    walked everything before, 0.3-1 s per collection every few seconds of a default run, with the loop
+    frozen and the engine's next requests and weight updates waiting on it."""
+    import gc
+    gc.unfreeze()  # an earlier test's loop froze this process's heap
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8")
+    seen = {}
+
+    def trainer_fn(pull, st):
+        env["trainer"].send(env["sd"])
+        _pull(pull, 8)
+        seen.update(frozen=gc.get_freeze_count(), walked=len(gc.get_objects()))
+
+    _run_loop(env, cfg, trainer_fn)
+    assert seen["walked"] * 10 < seen["frozen"], seen
 
 
 def _pull_training(pull, n, evals=None, timeout_s=60):
@@ -938,8 +984,8 @@ def test_update_waits_for_the_pause_not_for_a_drain(env):
     v_a = load(env, env["A"])
     # 24 sequences of 40..63 tokens, one finishing at every step from step 40 on, and one of 200 tokens
     lengths = [40 + i for i in range(24)] + [200]
-    def clock(w):  # the engine process's clock: now, and when its last decode step ended
-        return time.perf_counter(), w._ws_last_step
+    def clock(w):  # the engine's step clock: now, and when its last decode step ended
+        return w._ws_clock.now_s(), w._ws_last_end
 
     async def scenario():
         await engine.pause_generation(mode="keep", clear_cache=False)  # all start in one step
@@ -1009,11 +1055,23 @@ def test_an_update_is_logged_with_its_timings(env, monkeypatch):
         assert line["pause_s_max"] > 0, (before, line)
 
 
+def _patch_load(env, patch):
+    """Wrap this engine's in-place loader (weights_sync.WeightUpdateExtension: `_ws_model.load_weights`)
+    as patch(load_weights, model) -> a new load_weights; `None` restores vLLM's own."""
+    def wrap(wrapper):  # collective_rpc hands a callable vLLM's WorkerWrapperBase
+        model = wrapper.worker._ws_model
+        if patch is None:
+            del model.load_weights
+        else:
+            model.load_weights = patch(type(model).load_weights.__get__(model), model)
+    env["loop"].run_until_complete(env["engine"].collective_rpc(wrap))
+
+
 def test_a_tensor_that_does_not_take_effect_is_caught(env):
     """actor.verify_weights: after an update each engine's logprobs of the trainer's probe sequence must
-    match trainer.probe_logprobs for that version. A worker whose loader skips one received tensor (as vLLM's
-    CPU build once left a tied lm_head at its old values) keeps generating; the check stops it, naming the
-    version."""
+    match trainer.probe_logprobs for that version. A worker that loads every received tensor but computes
+    with another copy of one (as vLLM's CPU build once kept a tied lm_head packed at its old values) keeps
+    generating; the check stops it, naming the version."""
     import trainer
     from transformers import Qwen2ForCausalLM
     cfg, sd = env["cfg"], env["sd"]
@@ -1029,22 +1087,40 @@ def test_a_tensor_that_does_not_take_effect_is_caught(env):
     changed = {k: v.clone() for k, v in sd.items()}
     changed["model.norm.weight"] *= 1.5
 
-    def skip_norm(wrapper):  # this worker's loader drops the final norm of every update from now on
-        worker = wrapper.worker  # collective_rpc hands a callable vLLM's WorkerWrapperBase
-        load_weights = type(worker).reload_weights.__get__(worker)
-        worker.reload_weights = lambda weights_iterator, **kw: load_weights(
-            weights_iterator=((n, t) for n, t in weights_iterator if n != "model.norm.weight"), **kw)
+    def stale_norm(load_weights, model):  # the final norm loads, then goes back to what it was
+        def load(weights):
+            before = model.model.norm.weight.detach().clone()
+            loaded = load_weights(weights)
+            model.model.norm.weight.data.copy_(before)
+            return loaded
+        return load
 
-    env["loop"].run_until_complete(env["engine"].collective_rpc(skip_norm))
+    _patch_load(env, stale_norm)
     try:
         version = load(env, changed)
         with pytest.raises(RuntimeError, match=f"version {version} did not take effect in engine 0"):
             env["loop"].run_until_complete(actor.verify_weights([env["engine"]], version, probe(changed), 1e-3))
     finally:
-        env["loop"].run_until_complete(env["engine"].collective_rpc(lambda w: delattr(w.worker, "reload_weights")))
+        _patch_load(env, None)
     version = load(env, changed)  # the loader restored: the same check passes
     assert env["loop"].run_until_complete(
         actor.verify_weights([env["engine"]], version, probe(changed), 1e-3)) < 1e-4
+
+
+def test_a_tensor_the_loader_skips_is_refused(env):
+    """The header matched the checkpoint, but vLLM's loader wrote nothing into one of the model's
+    Parameters (here: it skips the final norm): the update raises, naming it, instead of leaving that
+    weight at its old values."""
+    def skip_norm(load_weights, model):
+        return lambda weights: load_weights((n, t) for n, t in weights if n != "model.norm.weight")
+
+    _patch_load(env, skip_norm)
+    try:
+        with pytest.raises(Exception, match="loaded nothing into model.norm.weight"):
+            load(env, env["sd"])
+    finally:
+        _patch_load(env, None)
+    load(env, env["sd"])  # the group stayed in step: the next update loads
 
 
 def test_the_weight_check_does_not_wait_for_a_full_engine(env):

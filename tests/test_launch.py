@@ -6,12 +6,14 @@ Run: bash run.sh test tests/test_launch.py      (about 1 minute on 2 cores)
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
+import actor
 import common
 import tasks
 from common import ConfigError
@@ -69,6 +71,24 @@ def test_device_sets_reject_naming_the_keys(overrides, n, needle):
     with pytest.raises(ConfigError) as e:
         gpus(overrides, n=n)
     assert needle in f"config error: {e.value}" and "; " in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,visible,needle", [
+    (["actor.engines=2"], ["0"], "actor.gpus: actor.engines*actor.tp=2 needs 2 GPUs but 1"),
+    (["actor.gpus=0", "actor.engines=2"], ["0", "1"], "actor.gpus: lists 1 GPUs but actor.engines*actor.tp=2"),
+    (["actor.gpus=7"], ["0", "1"], "actor.gpus: GPU 7 is not visible on this node (visible: 0,1)"),
+])
+def test_an_actor_started_alone_checks_its_gpus(overrides, visible, needle):
+    """actor.py started without run.sh runs run.sh's check of its GPUs (common.gpu_set): too few gave vLLM
+    an empty device list for an engine (read as "no choice": device 0), an unknown id a bare ValueError."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        actor.engine_devices(common.load_config(overrides), visible)
+
+
+def test_an_actor_started_alone_maps_its_engines_to_their_gpus():
+    cfg = common.load_config(["actor.engines=2", "actor.tp=2", "actor.gpus=6,7,4,5"])
+    assert actor.engine_devices(cfg, ["4", "5", "6", "7"]) == [[2, 3], [0, 1]]
+    assert actor.engine_devices(common.load_config(["actor.engines=2"]), ["3", "1", "2"]) == [[0], [1]]
 
 
 def test_visible_gpus(tmp_path, monkeypatch):

@@ -355,12 +355,13 @@ def test_gpu_check_runs_in_smoke_mode(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert {"fsdp_fp32", "fsdp_fp32_ac", "fsdp_bf16", "nccl_2rank", "big", "big_ac", "big_chunk0", "ranks",
-            "big_ranks", "sender_stream", "weight_group_timeout"} <= set(report)
+            "big_ranks", "sender_stream", "step_clock", "weight_group_timeout"} <= set(report)
     assert report["ranks"]["prefetch_bit_equal"] and report["nccl_2rank"]["bit_equal"]
     # gloo raises on a missing rank (the GPU run checks that NCCL does too, instead of aborting)
     assert report["weight_group_timeout"]["verdict"].startswith("raised")
     assert r.stdout.count("[gpu_check] PASS") == 10
-    assert r.stdout.count("[gpu_check] SKIP") == 1  # sender_stream: CUDA streams only
+    assert r.stdout.count("[gpu_check] SKIP") == 2  # sender_stream, step_clock: CUDA only
+    assert report["env"]["model_runner"] == "V1"  # vLLM is here; its CPU platform has no V2
 
 
 # --- weight broadcast -------------------------------------------------------------------------------------

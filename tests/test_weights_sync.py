@@ -178,3 +178,26 @@ def test_store_listens_on_its_host_only():
     client = ws.create_store("127.0.0.1", store.port, False, 10)
     client.set("k", "v")
     assert store.get("k") == b"v"
+
+
+def test_the_first_broadcast_of_a_new_group_is_bounded_and_named():
+    """init_group ends with a first broadcast, bounded by timeout_s: NCCL builds its communicator there,
+    beyond blocking wait's reach, so a member that met in the store but never takes part (here: rank 1
+    builds its group and stops) hung the trainer's first send and the actor's first update for ever,
+    silently. The error names the weight group and its store."""
+    import datetime
+    import threading
+    import torch.distributed as dist
+    store = ws.create_store("127.0.0.1", 0, True, 30)
+    # a connection of its own: a client holds its lock across a blocking wait
+    prefix = dist.PrefixStore("weights", ws.create_store("127.0.0.1", store.port, False, 30))
+    kept = []  # rank 1's group stays up, silent
+
+    def silent():
+        prefix.set("joined/1", "1")
+        kept.append(dist.ProcessGroupGloo(prefix, 1, 2, datetime.timedelta(seconds=30)))
+    threading.Thread(target=silent, daemon=True).start()
+    with pytest.raises(RuntimeError) as err:
+        ws.init_group(store, 0, 2, "gloo", timeout_s=3)
+    assert "the weight group's first broadcast (rank 0 of 2" in str(err.value)
+    assert f"store at 127.0.0.1:{store.port}: sync.host:sync.port" in str(err.value)
