@@ -1,18 +1,21 @@
 """Actor: vLLM generation with in-flight weight updates (PipelineRL, arXiv 2509.19128, Algorithm 2).
 
-Consumes: training prompts from tasks.py (a seeded stream, from the trainer's store key `cursor`
-  on); new weights over the weight group (weights_sync.py), announced by the store keys
-  `announce/<n>`.
+Consumes: training prompts from tasks.py (a seeded stream, indexed by group id: the run's store
+  counter `groups/next`, after the trainer's list to do again, `redo/<epoch>`); new weights over
+  the weight group (weights_sync.py), announced by the store keys `announce/<n>`.
 Produces: one `rollout` (common.SCHEMAS) per finished sample, ZMQ PUSH to ports.host:ports.rollouts:
   prompt_ids, completion_ids, logprobs (behaviour policy μ: log_softmax(logits/temperature) of each
   sampled token), versions (the version that sampled each token), group, task and timing fields;
   `eval` marks a test-split attempt, graded into eval.jsonl. Metrics `actor/*` in
   metrics_actor.jsonl.
-Run alone (needs trainer.py's store at sync.host:sync.port and a PULL socket):
-  python actor.py [k=v ...]
-  Exits 0 on SIGTERM/SIGINT or "done"; non-zero when the trainer is not up within
-  run.peer_timeout_s (naming its address) or goes away. ACTOR_PROC_INDEX=p of P (one per node):
-  weight ranks, prompts cursor+p, +P, ...
+Run alone (needs the run's store at sync.host:sync.port, `python weights_sync.py`, and a PULL
+  socket): python actor.py [k=v ...]
+  Exits 0 on SIGTERM/SIGINT or "done"; non-zero when no weight group takes it in within
+  run.peer_timeout_s (naming the store) or the store goes away. ACTOR_PROC_INDEX=p (one per node):
+  its name in logs, and process 0 evaluates.
+Elastic: each start (and each return after being counted lost) is a new incarnation in the store;
+  the trainer takes every live one into its weight group (weights_sync.WeightServer), and a lost
+  one's share of the lag budget goes to the others (`share_of`).
 
 Simplifications vs the paper and its code:
 1. Admission control bounds lag by how many samples may start ahead of the trainer (`admit`); the
@@ -25,7 +28,7 @@ Simplifications vs the paper and its code:
    batch, so that evaluation never delays the first samples; evaluation requests have a lower
    priority than training's (vLLM's priority scheduling).
 4. Stale KV is kept across an update (the paper's default); actor.recompute_kv=true recomputes it.
-5. Several actor processes split the lag budget evenly (exact for one process; see `admit`).
+5. Several actor incarnations split the lag budget in whole groups (exact for one; see `admit`).
 """
 import asyncio
 import contextlib
@@ -166,13 +169,21 @@ def start_at_once(cfg, proc_index: int, devices: list) -> list:
     with ThreadPoolExecutor(len(devices)) as pool:
         return list(pool.map(start, range(len(devices))))
 
-async def join_weight_group(cfg, engines, proc_index: int = 0):
-    """Rank of TP rank k of engine e = 1 + (proc_index*engines + e)*tp + k; rank 0 is trainer
-    rank 0."""
-    sync, a = cfg.sync, cfg.actor
-    await asyncio.gather(*(engine.collective_rpc("init_weight_group", timeout=sync.timeout_s, args=(
-        sync.host, sync.port, cfg.weight_world, 1 + (proc_index * a.engines + e) * a.tp, "auto",
-        sync.timeout_s, str(cfg.run_dir), cfg.run.trace)) for e, engine in enumerate(engines)))
+async def init_sync(cfg, engines, proc_index: int = 0):
+    """Once the engines are up: each worker ready for weight updates (WeightUpdateExtension); its
+    timeline is events_engine<proc>-<engine>.jsonl."""
+    sync = cfg.sync
+    await asyncio.gather(*(engine.collective_rpc("init_weights_sync", timeout=sync.timeout_s, args=(
+        sync.host, sync.port, sync.timeout_s, f"engine{proc_index}-{e}", str(cfg.run_dir),
+        cfg.run.trace)) for e, engine in enumerate(engines)))
+
+async def join_group(cfg, engines, g: int, first_rank: int, world_size: int):
+    """Every worker joins weight group g (weights_sync.WeightServer): TP rank k of engine e is rank
+    first_rank + e*tp + k; rank 0 is trainer rank 0."""
+    sync, tp = cfg.sync, cfg.actor.tp
+    await asyncio.gather(*(engine.collective_rpc("join_weight_group", timeout=sync.timeout_s, args=(
+        g, first_rank + e * tp, world_size, cfg.run.heartbeat_timeout_s))
+        for e, engine in enumerate(engines)))
 
 async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float):
     """In-flight update of the broadcast announced as `version` -> (stats, pause_s).
@@ -286,8 +297,8 @@ def token_lags(version: int, versions):
 class Announcements:
     """Waits in a thread, on its own store connection (no polling), for `announce/<n>`, n = first,
     first+1, ... `pending`: values not yet handled, oldest first (a version is one broadcast the
-    engines must join; "done" ends the run). `error`: the store's master (trainer rank 0) went
-    away."""
+    engines of a group's members must join; "group <g>" a new weight group; "done" ends the run).
+    `error`: the run's store went away."""
 
     def __init__(self, cfg, first: int, loop, wake: asyncio.Event):
         # the values not yet handled, the error that ended the thread, the next n to wait for
@@ -328,14 +339,23 @@ class Group:
 class ActorState:
     """What the loop knows; tests read it. Versions count optimizer steps (0 = initial weights)."""
     version: int = -1
-    first_version: int = -1
-    # samples started since this process began (conventional: since this version)
+    # this incarnation (store counter actor/incarnations), the weight group it is in (None: in
+    # none, or its weights are not in effect yet), and the group of the latest cut it joined
+    inc: int = 0
+    group: int = None
+    cut: int = None
+    # the trainer's epoch (a restarted trainer has a new one) and its version at the latest cut
+    epoch: int = None
+    cut_version: int = 0
+    # samples per version this incarnation may start: its share of B among the group's members
+    share: int = 0
+    # since the cut: samples started, dropped on the way (store dropped/<inc>/<cut>), consumed by
+    # the trainer by its version `trained` (store consumed/<inc>)
     started: int = 0
-    started_total: int = 0
-    # of those, dropped on the way (verifier/trainer: store key dropped/<proc>)
     dropped: int = 0
-    # `dropped` when the current version arrived (conventional)
-    dropped_at_update: int = 0
+    consumed: int = 0
+    trained: int = 0
+    started_total: int = 0
     pushed: int = 0
     # training samples being generated
     inflight: int = 0
@@ -348,29 +368,40 @@ class ActorState:
     # since the last log line: name -> values (Actor.note)
     window: dict = field(default_factory=dict)
 
-def admit(cfg, st: ActorState, procs: int) -> bool:
+def admit(cfg, st: ActorState) -> bool:
     """May one more group of group_size samples start now without any token exceeding actor.max_lag?
 
-    Pipeline: admit while started - dropped + group_size <= (u_min - v0 + max_lag + 1)*B (v0: first
-    version, u_min: oldest start version in flight). The trainer consumes B samples a step in
-    arrival order, so this actor's k-th consumed sample (0-based) is trained on by version
-    v0 + floor(k/B). A group started at version u is in flight until its last sample arrives (the
-    verifier forwards whole groups), so every admission up to then, its own included, saw
-    u_min <= u: at most (u - v0 + max_lag + 1)*B samples arrive by then, so it is trained on by
-    version <= u + max_lag, and its tokens were sampled by versions >= u. A dropped sample is never
-    consumed, so it is given back (`dropped`; learnt late, it only made admission more cautious).
-    Nothing stalls: once the groups in flight finish, u_min is the current version v and the budget
-    covers the (v - v0 + 1)*B samples of the trainer's next step. P actor processes take B/P each
-    (whole groups: common.validate): exact for P=1, approximate when they run at different speeds.
-    Conventional: B*G_steps samples per RL step (B*(G_steps - version % G_steps) for the first after
-    resuming mid-RL-step), then wait for the next weights."""
-    a, B, gs = cfg.actor, cfg.trainer.batch_size, cfg.actor.group_size
+    Pipeline: admit while outstanding + group_size <= (u_min - t + max_lag + 1) * share, where
+    outstanding = started - dropped - consumed (since the cut: samples started and not yet trained
+    on, nor given back), t the trainer's version when it had consumed `consumed` of them, u_min the
+    oldest start version in flight, share this incarnation's samples per version. One actor
+    (share = B): the trainer consumes B samples a step in arrival order, so the k-th sample to
+    arrive after version t is trained on by version t + floor(k/B). A group started at version u is
+    in flight until its last sample arrives (the verifier forwards whole groups), so every admission
+    up to then, its own included, saw u_min <= u: at most (u - t + max_lag + 1)*B samples arrive by
+    then, so it is trained on by version <= u + max_lag, and its tokens were sampled by versions
+    >= u. A dropped sample is never consumed, so it is given back (`dropped`; learnt late, it only
+    made admission more cautious); a stale (t, consumed) only makes it more cautious too (the
+    trainer publishes both at once). Nothing stalls: once the groups in flight finish, u_min is
+    the current version and the budget covers the trainer's next step. Several actors split B per
+    version in whole groups (`share_of`): exact for one, approximate when they run at different
+    speeds. A lost member's samples are discarded from the moment the survivors' shares grow
+    (weights_sync.WeightServer), so they never take a survivor's place in the queue.
+    Conventional: B*G_steps samples per RL step (fewer for the first after resuming mid-RL-step),
+    then wait for the next weights."""
+    a, gs = cfg.actor, cfg.actor.group_size
+    outstanding = st.started - st.dropped - st.consumed
     if a.schedule == "conventional":
-        steps_left = a.G_steps - st.version % a.G_steps
-        started_this_rl_step = st.started + st.dropped_at_update - st.dropped
-        return started_this_rl_step + gs <= B * steps_left // procs
+        return outstanding + gs <= (a.G_steps - st.trained % a.G_steps) * st.share
     u_min = min((g.version for g in st.groups.values()), default=st.version)
-    return st.started - st.dropped + gs <= (u_min - st.first_version + a.max_lag + 1) * B // procs
+    return outstanding + gs <= (u_min - st.trained + a.max_lag + 1) * st.share
+
+def share_of(cfg, members: list, inc: int) -> int:
+    """Incarnation inc's samples per version: B split among the members in whole groups, the
+    first members taking one more where it does not divide."""
+    groups, n = cfg.trainer.batch_size // cfg.actor.group_size, len(members)
+    k = sorted(members).index(inc)
+    return cfg.actor.group_size * (groups // n + (k < groups % n))
 
 def least_loaded(st: ActorState, engines: int) -> int:
     """The engine with the fewest training samples in flight."""
@@ -397,9 +428,10 @@ class Actor:
         # the evaluation pass running (or done), and the version it started at
         self.eval_task, self.last_eval = None, None
         self.updating = None
-        # as if a line were one period old: the loop's first pass logs, so the trainer has this
-        # actor's heartbeat (trainer.waiting_for) before its first sample leaves
-        self.last_log = time.time() - cfg.run.log_every
+        # the weight group joined whose first weights have yet to arrive; the trainer's list of
+        # groups to do again (next_group; None: not read yet)
+        self.joining = self.redo = None
+        self.last_log = time.time() - cfg.run.log_every  # the first pass logs (and beats)
         self.last_tick = None
         self.blocked_at_log = 0.0
         self.drops_checked = 0.0
@@ -409,8 +441,11 @@ class Actor:
 
     async def run(self, stop: asyncio.Event) -> ActorState:
         cfg, st = self.cfg, self.st
-        announcements = await self.first_weights()
-        common.freeze_heap()
+        # from the next announcement on: the group that takes this incarnation in comes after it
+        announcements = Announcements(cfg, int(self.store.add("announced", 0)) + 1,
+                                      asyncio.get_running_loop(), self.wake)
+        self.register()
+        frozen, waiting_since = False, time.time()
         while not stop.is_set():
             eval_error = self.eval_task and self.eval_task.done() and self.eval_task.exception()
             if error := st.error or announcements.error or eval_error:
@@ -419,11 +454,22 @@ class Actor:
                 # the update in progress, and the evaluation (a short run's only one) finish first
                 await asyncio.gather(*(t for t in (self.updating, self.eval_task) if t))
                 self.log(final=True)  # the last window (a short run's only updates may be in it)
-                # the trainer keeps its store up until every actor has seen this
+                # the trainer waits for every actor to see this (its last metrics written)
                 self.store.add("done_ack", 1)
                 break
+            if st.group is not None:
+                waiting_since = time.time()
+            elif time.time() - waiting_since > cfg.run.peer_timeout_s:
+                raise PeerTimeout(f"no weight group took incarnation {st.inc} in (or sent it "
+                                  f"weights) for {cfg.run.peer_timeout_s:.0f} s "
+                                  f"(run.peer_timeout_s): is trainer.py running? (the store: "
+                                  f"{cfg.sync.host}:{cfg.sync.port})")
             self.update(announcements.pending)
-            blocked = self.admit_groups()
+            # generate only with weights in effect, in a group
+            blocked = self.admit_groups() if st.group is not None else False
+            if st.group is not None and not frozen:
+                common.freeze_heap()  # start-up is over: engines up, first weights in
+                frozen = True
             self.evaluate()
             self.log()
             # --- sleep until a sample finishes, weights are announced, or a tick passes ---
@@ -432,39 +478,37 @@ class Actor:
             waiting = blocked or (cfg.actor.schedule == "conventional" and not st.inflight)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), 0.05 if waiting else cfg.run.log_every)
-        # evaluation first: it would start more requests
-        for t in [x for x in (self.eval_task, self.updating) if x] + list(self.tasks):
-            t.cancel()
-            await asyncio.gather(t, return_exceptions=True)
+        if stop.is_set():
+            self.log(final=True)  # stopped (SIGTERM): its last window too
+        await self.drop_all()
         if self.admission is not None:  # the timeline's last admission span
             self.events.span(f"admission/{self.admission}", self.admission_since)
         self.push.close()
         return st
 
-    async def first_weights(self) -> Announcements:
-        """Block until the trainer's newest announced version is loaded."""
-        cfg, st, store = self.cfg, self.st, self.store
-        deadline = time.time() + cfg.run.peer_timeout_s
-        # the trainer sets the cursor, then announces version 0
-        while not (store.check(["cursor"]) and (n := int(store.add("announced", 0))) >= 1):
-            if time.time() > deadline:
-                raise PeerTimeout(f"no weights announced by the trainer at {cfg.sync.host}:"
-                                  f"{cfg.sync.port} after {cfg.run.peer_timeout_s:.0f} s "
-                                  "(run.peer_timeout_s)")
-            await asyncio.sleep(0.01)
-        self.next_group = int(store.get("cursor")) + self.proc
-        # On resume: the groups below the cursor that were not trained on (in flight at the
-        # checkpoint) come first; this process takes its share of them. The trainer sets
-        # `untrained` before `cursor`; a fake trainer may leave it out.
-        listed = store.get("untrained").decode() if store.check(["untrained"]) else ""
-        self.redo = [int(g) for g in listed.split(",") if g][self.proc::cfg.actor_procs]
-        # get blocks until announce() sets it
-        st.version = int(store.get(f"announce/{n}"))
-        st.first_version = st.version
-        # That broadcast waits for the engines (a fresh engine holds no version; none is re-sent).
-        await update_weights(self.engines, st.version, cfg.actor.recompute_kv, cfg.sync.timeout_s)
-        await self.verify(st.version)
-        return Announcements(cfg, n + 1, asyncio.get_running_loop(), self.wake)
+    def register(self):
+        """A new incarnation of this actor in the store (actor/incarnations): the trainer takes it
+        into the next weight group once it beats (alive/<inc>, `log`)."""
+        self.st.inc = int(self.store.add("actor/incarnations", 1))
+        self.st.group = self.joining = None
+        self.st.started = 0  # its budget's accounting starts afresh (store keys of the new inc)
+        self.beat()
+        print(f"[actor] process {self.proc}: incarnation {self.st.inc}, waiting for a weight group",
+              flush=True)
+
+    async def drop_all(self):
+        """Cancel every request in flight (vLLM aborts them) and wait for their tasks: a cut, an
+        exclusion, or the end. Their budget goes with the accounting they belonged to."""
+        # the groups given up (tests/test_elastic.py checks every id's fate)
+        self.note(groups_given_up=list(self.st.groups))
+        # forgotten first: the loop must not read a cancelled evaluation as failed
+        tasks = [x for x in (self.eval_task, self.updating) if x] + list(self.tasks)
+        self.tasks, self.eval_task = set(), None
+        for t in tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+                await asyncio.gather(t, return_exceptions=True)
+        self.st.groups, self.st.inflight = {}, 0
 
     async def verify(self, version: int):
         """Check the engines against the trainer's probe for this version (sync.verify_every)."""
@@ -481,9 +525,9 @@ class Actor:
             self.note(probe_diff=diff)
 
     def update(self, pending: list):
-        """Take every announced broadcast, in order, in a task of its own: the loop goes on
-        admitting meanwhile (requests added during the pause wait in the engine). Conventional:
-        between RL steps."""
+        """Take every announcement, in order, in a task of its own: the loop goes on admitting
+        meanwhile (requests added during the pause wait in the engine). Conventional: between RL
+        steps."""
         if self.updating is not None and self.updating.done():
             # raises its error, else None: no update in progress
             self.updating = self.updating.result()
@@ -492,41 +536,87 @@ class Actor:
             self.updating = asyncio.create_task(self._take(pending))
 
     async def _take(self, pending: list):
-        cfg, st = self.cfg, self.st
         while pending and pending[0] != "done":
-            version = int(pending.pop(0))
-            start = time.time()
+            value = pending.pop(0)
+            if value.startswith("group "):
+                await self.regroup(int(value.split()[1]))
+            elif self.st.group is not None or self.joining is not None:
+                await self.take_version(int(value))
+        self.wake.set()
+
+    async def regroup(self, g: int):
+        """Weight group g was formed (weights_sync.WeightServer): join it if a member, else (lost
+        to the trainer: silent too long, or slow to meet) come back as a new incarnation. At a cut,
+        or with a new trainer, everything in flight is given up and the budget starts afresh."""
+        cfg, st = self.cfg, self.st
+        info = json.loads(self.store.get(f"group/{g}"))
+        members = {int(inc): first for inc, first in info["members"].items()}
+        if st.inc not in members:
+            if st.group is not None or self.joining is not None:  # was in one: excluded
+                await self.drop_all()
+                self.register()
+            return
+        if info["cut"] != st.cut or info["epoch"] != st.epoch:
+            await self.drop_all()
+            st.started = 0
+            st.cut, st.cut_version = info["cut"], info["version"]
+            self.redo = None if info["epoch"] != st.epoch else self.redo
+            st.epoch = info["epoch"]
+        st.share = share_of(cfg, list(members), st.inc)
+        st.group = self.joining = None
+        world = 1 + len(members) * cfg.actor.engines * cfg.actor.tp
+        try:
+            await join_group(cfg, self.engines, g, members[st.inc], world)
+        except Exception as e:  # noqa: BLE001 - another member did not meet: the next group comes
+            print(f"[actor] weight group {g}: not formed ({e}); waiting for the next", flush=True)
+            return
+        # generation resumes once this group's first weights are in
+        self.joining = g
+
+    async def take_version(self, version: int):
+        """One announced version, in place (`update_weights`). A receive cut short (the trainer
+        re-formed its group, or restarted) leaves the engines paused until the next group's
+        weights; any other failure stops the actor."""
+        cfg, st = self.cfg, self.st
+        start = time.time()
+        try:
             stats, pause_s = await update_weights(self.engines, version, cfg.actor.recompute_kv,
                                                   cfg.sync.timeout_s)
-            wire_s = max(worker["wire_s"] for worker in stats)
-            load_s = max(worker["load_s"] for worker in stats)
-            self.events.span("update", start, version=version, wire_s=wire_s, load_s=load_s)
-            # the engines' busy fraction since the update before
-            busy = float(np.mean([worker["busy"] for worker in stats]))
-            self.note(pause_s=pause_s, wire_s=wire_s, load_s=load_s, engine_busy=busy)
-            # the engine's stall around the previous update, and that update's wire + load
-            stalls = [(w["prev_stall_s"], w["prev_wire_load_s"]) for w in stats
-                      if w["prev_stall_s"] is not None and w["prev_wire_load_s"] is not None]
-            if stalls:
-                stall_s, stall_wire_load_s = max(stalls)
-                self.note(stall_s=stall_s, stall_wire_load_s=stall_wire_load_s)
-            # in the same log line as its timings: verify awaits, and the loop may log meanwhile
-            st.version = version
-            st.updates += 1
-            # before the next update changes the weights again
-            await self.verify(version)
-            if cfg.actor.schedule == "conventional":
-                st.started = 0
-                st.dropped_at_update = st.dropped
-        self.wake.set()
+        except Exception as e:  # noqa: BLE001
+            if "weight broadcast from trainer rank 0 failed" not in str(e):
+                raise
+            print(f"[actor] version {version} not received ({e}); paused until the next weight "
+                  "group", flush=True)
+            st.group = self.joining = None
+            return
+        wire_s = max(worker["wire_s"] for worker in stats)
+        load_s = max(worker["load_s"] for worker in stats)
+        self.events.span("update", start, version=version, wire_s=wire_s, load_s=load_s)
+        # the engines' busy fraction since the update before
+        busy = float(np.mean([worker["busy"] for worker in stats]))
+        self.note(pause_s=pause_s, wire_s=wire_s, load_s=load_s, engine_busy=busy)
+        # the engine's stall around the previous update, and that update's wire + load
+        stalls = [(w["prev_stall_s"], w["prev_wire_load_s"]) for w in stats
+                  if w["prev_stall_s"] is not None and w["prev_wire_load_s"] is not None]
+        if stalls:
+            stall_s, stall_wire_load_s = max(stalls)
+            self.note(stall_s=stall_s, stall_wire_load_s=stall_wire_load_s)
+        # in the same log line as its timings: verify awaits, and the loop may log meanwhile
+        st.version = version
+        st.updates += 1
+        if self.joining is not None:  # the group's first weights: generate from here on
+            st.group, self.joining = self.joining, None
+            self.refresh_budget()
+        # before the next update changes the weights again
+        await self.verify(version)
 
     def evaluate(self):
         """One pass over the test split every actor.eval_every versions, one at a time
         (simplification 3)."""
         cfg, st = self.cfg, self.st
-        # the first pass waits for this process's share of the trainer's first batch
-        due = (st.pushed >= cfg.trainer.batch_size // cfg.actor_procs if self.last_eval is None
-               else st.version - self.last_eval >= cfg.actor.eval_every)
+        # the first pass waits for this incarnation's share of the trainer's first batch
+        due = st.group is not None and (st.pushed >= st.share if self.last_eval is None
+                                        else st.version - self.last_eval >= cfg.actor.eval_every)
         running = self.eval_task is not None and not self.eval_task.done()
         if cfg.actor.eval_every and self.test and self.proc == 0 and due and not running:
             self.last_eval = st.version
@@ -557,21 +647,18 @@ class Actor:
         # what stopped admission: no free slot, else the budget (`admit`)
         held = "capacity"
         while st.inflight + gs <= cfg.actor.max_inflight * len(self.engines):
-            ok = admit(cfg, st, cfg.actor_procs)
-            # budget spent: were samples given back since we last looked?
+            ok = admit(cfg, st)
+            # budget spent: were samples trained or given back since we last looked?
             if not ok and now - self.drops_checked > 0.05:
                 self.drops_checked = now
-                st.dropped = int(self.store.add(f"dropped/{self.proc}", 0))
-                ok = admit(cfg, st, cfg.actor_procs)
+                self.refresh_budget()
+                ok = admit(cfg, st)
             if not ok:
                 blocked = not conventional
                 held = "rl_step" if conventional else "lag"
                 break
-            if self.redo:
-                gid = self.redo.pop(0)
-            else:
-                gid = self.next_group
-                self.next_group += cfg.actor_procs
+            gid = self.next_group()
+            self.note(group_ids=gid)
             problem = self.stream.get(gid)
             # tokenized once per group
             prompt = prompt_ids(self.tokenizer, problem, cfg.data.prompt_format)
@@ -595,15 +682,38 @@ class Actor:
             self.admission_since = now
         return blocked
 
+    def refresh_budget(self):
+        """The trainer's word on this incarnation's samples since the cut: given back
+        (dropped/<inc>/<cut>), and consumed by its version `trained` (consumed/<inc>: "cut version
+        count", published together each step; WeightServer sets it for a new member)."""
+        st = self.st
+        st.dropped = int(self.store.add(f"dropped/{st.inc}/{st.cut}", 0))
+        cut, version, count = map(int, self.store.get(f"consumed/{st.inc}").split())
+        st.trained, st.consumed = (version, count) if cut == st.cut else (st.cut_version, 0)
+
+    def next_group(self) -> int:
+        """The next group id: first the trainer's list of groups to do again (redo/<epoch>: in
+        flight at its checkpoint), each taken by one actor (a counter), then a new id from the
+        run's counter: never one id twice, whatever restarts."""
+        if self.redo is None:
+            listed = self.store.get(f"redo/{self.st.epoch}").decode()
+            self.redo = [int(g) for g in listed.split(",") if g]
+        if self.redo:
+            k = int(self.store.add(f"redo/{self.st.epoch}/taken", 1)) - 1
+            if k < len(self.redo):
+                return self.redo[k]
+            self.redo = []
+        return int(self.store.add("groups/next", 1)) - 1
+
     async def sample(self, e, problem, prompt, gid, k, params, evaluation=False):
         """One attempt: generate (across any number of updates), push, release its slot."""
         st = self.st
         kind, priority = ("e", EVAL_PRIORITY) if evaluation else ("g", TRAINING_PRIORITY)
         try:
-            request_id = f"{self.proc}-{kind}{gid}-{k}"
+            request_id = f"{st.inc}-{kind}{gid}-{k}"
             r = await generate(self.engines[e], prompt, params, request_id, priority)
             header = {"group_id": gid, "sample_idx": k, "task": problem.task,
-                      "answer": problem.answer, "proc": self.proc,
+                      "answer": problem.answer, "inc": st.inc, "cut": st.cut,
                       "group_size": len(self.test) if evaluation else self.cfg.actor.group_size,
                       "finish_reason": r["finish_reason"], "t_start": r["t_start"],
                       "t_end": r["t_end"], "eval": evaluation}
@@ -629,13 +739,17 @@ class Actor:
         for name, value in values.items():
             self.st.window.setdefault(name, []).append(value)
 
+    def beat(self):
+        """The heartbeat: weights_sync.WeightServer counts an incarnation lost when it stops
+        changing for run.heartbeat_timeout_s (`log` rewrites it every run.log_every)."""
+        self.store.set(f"alive/{self.st.inc}",
+                       f"{time.time():.1f} process {self.proc} on {os.uname().nodename}")
+
     def log(self, final: bool = False):
         now, st = time.time(), self.st
         if now - self.last_log < self.cfg.run.log_every and not final:
             return
-        # both keys are read by trainer.waiting_for
-        self.store.set(f"alive/{self.proc}", f"{now:.1f} {os.uname().nodename}")
-        self.store.set(f"started/{self.proc}", str(st.started_total))
+        self.beat()
         dt = now - self.last_log
 
         def get(name):
@@ -658,6 +772,10 @@ class Actor:
             "update_stall_wire_load_s": mean("stall_wire_load_s", None),
             "admission_blocked_s": st.blocked_s - self.blocked_at_log,
             "started": st.started_total, "pushed": st.pushed, "dropped": st.dropped,
+            "inc": st.inc, "group": st.group, "cut": st.cut, "share": st.share,
+            # the group ids started in this window, and given up (each id's fate: test_elastic.py)
+            "group_ids": st.window.get("group_ids", []),
+            "groups_given_up": sorted(g for gs in st.window.get("groups_given_up", []) for g in gs),
             "verified": len(get("probe_diff")),
             "probe_diff_max": float(get("probe_diff").max(initial=0)),
             # time inside decode steps / wall, in the engine process (scripts/launch.py: bottleneck)
@@ -685,15 +803,15 @@ async def amain(cfg, store) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
-        await join_weight_group(cfg, engines, proc_index)
+        await init_sync(cfg, engines, proc_index)
         await run_actor(cfg, engines, store, stop, proc_index)
         return 0
     except PeerTimeout as e:
         print(f"[actor] {e}", file=sys.stderr)
         return 2
-    except torch.distributed.DistNetworkError as e:  # the store's master (trainer rank 0) went away
-        print(f"[actor] lost the trainer's store at {cfg.sync.host}:{cfg.sync.port}: {e}",
-              file=sys.stderr)
+    except torch.distributed.DistNetworkError as e:  # the store's process went away
+        print(f"[actor] lost the run's store at {cfg.sync.host}:{cfg.sync.port} (weights_sync.py, "
+              f"started by run.sh on node 0): {e}", file=sys.stderr)
         return 3
     finally:
         for e in engines:
@@ -709,14 +827,13 @@ def main(argv=None):
     # importing frames, which would keep the engines alive until interpreter teardown (a spurious
     # __del__ error).
     import vllm.v1.engine.async_llm  # noqa: F401 - (~8 s, while the trainer starts)
-    # The trainer's store before any engine: a missing trainer fails fast, before vLLM loads a
-    # model.
+    # The run's store before any engine: a missing one fails fast, before vLLM loads a model.
     try:
         store = ws.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
     except Exception as e:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError
-        sys.exit(f"[actor] no trainer store at {cfg.sync.host}:{cfg.sync.port} after "
-                 f"{cfg.run.peer_timeout_s:.0f} s "
-                 f"(run.peer_timeout_s; is trainer.py running? sync.host/sync.port): {e}")
+        sys.exit(f"[actor] no store at {cfg.sync.host}:{cfg.sync.port} after "
+                 f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s; is `python weights_sync.py` "
+                 f"running, as run.sh starts it on node 0? sync.host/sync.port): {e}")
     sys.exit(asyncio.run(amain(cfg, store)))
 
 if __name__ == "__main__":

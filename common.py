@@ -55,7 +55,7 @@ CHOICES = {("data", "task"): ("arithmetic", "longtail", "math"),
 # Upper bounds and combinations: `_rules`. Every float must also be finite: nan passes every bound
 # check (lr=nan would train on nothing; reward_correct=nan makes every group with a correct answer
 # malformed), and inf overflows a timeout.
-MINIMUMS = {"run": dict(seed=0, log_every=0),
+MINIMUMS = {"run": dict(seed=0, log_every=0, max_restarts=0),
             "actor": dict(engines=1, tp=1, group_size=1, max_inflight=1, G_steps=1, max_tokens=1,
                           max_lag=0, eval_every=0, eval_temperature=0),
             "trainer": dict(nproc=1, nnodes=1, batch_size=1, micro_batch_tokens=1, max_steps=1,
@@ -65,7 +65,7 @@ MINIMUMS = {"run": dict(seed=0, log_every=0),
             "data": dict(test_size=1),
             "sync": dict(port=1, verify_every=0),
             "ports": dict(rollouts=1, samples=1)}
-POSITIVE = {"run": ("peer_timeout_s",),
+POSITIVE = {"run": ("peer_timeout_s", "heartbeat_timeout_s"),
             "actor": ("temperature", "top_p", "kv_cache_gb", "gpu_memory_utilization"),
             "verifier": ("timeout_s", "stale_group_s"),
             "trainer": ("lr", "eps", "is_clamp"),
@@ -89,17 +89,6 @@ class _Derived:
         """model.dtype, with "auto" = bfloat16 on GPU, float32 on CPU: the trainer's and the
         engine's alike."""
         return {"auto": "bfloat16" if cuda else "float32"}.get(self.model.dtype, self.model.dtype)
-
-    @property
-    def actor_procs(self) -> int:
-        """One actor.py per node after the trainer's nodes; on a single node, one."""
-        return max(1, int(os.environ.get("NNODES", "1")) - self.trainer.nnodes)
-
-    @property
-    def weight_world(self) -> int:
-        """Weight group: trainer rank 0 + every vLLM worker of every engine of every actor
-        process."""
-        return 1 + self.actor_procs * self.actor.engines * self.actor.tp
 
 # One frozen field per config.yaml section (cfg.run, cfg.actor, ...), with _Derived's values.
 Config = dataclasses.make_dataclass("Config", SECTIONS.items(), bases=(_Derived,), frozen=True)
@@ -178,13 +167,8 @@ def _rules(cfg: Config):
     a, t, d = cfg.actor, cfg.trainer, cfg.data
     conventional = a.schedule == "conventional"
     ranks = t.nproc * t.nnodes
-    per_version = t.batch_size * (a.G_steps if conventional else 1)  # samples one version generates
-    batch_key = "trainer.batch_size*actor.G_steps" if conventional else "trainer.batch_size"
     yield (t.batch_size % a.group_size, f"trainer.batch_size={t.batch_size} must be a multiple of "
            f"actor.group_size={a.group_size} (only complete groups are trained on)")
-    yield (per_version % (cfg.actor_procs * a.group_size), f"{batch_key}={per_version} must split "
-           f"into whole groups of actor.group_size={a.group_size} over the {cfg.actor_procs} actor "
-           f"processes (NNODES - trainer.nnodes): each process starts an equal share")
     yield (t.batch_size % ranks, f"trainer.batch_size={t.batch_size} must be divisible by the "
            f"trainer ranks (trainer.nproc*trainer.nnodes={ranks})")
     # actor.py admits a group only when all of its samples fit in the engines' slots
@@ -290,17 +274,21 @@ class WireError(ValueError):
     """A malformed message: the receiver drops it, logs it and counts it."""
 
 _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float64": np.float64}
+# inc: the actor incarnation that made it; cut: the weight group of the latest cut when its group
+# started (weights_sync.WeightServer)
 _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, "answer": str,
-            "finish_reason": str, "t_start": float, "t_end": float, "proc": int, "eval": bool}
+            "finish_reason": str, "t_start": float, "t_end": float, "inc": int, "cut": int,
+            "eval": bool}
 _ARRAYS = dict(prompt_ids="int32", completion_ids="int32", logprobs="float32", versions="int32")
-# seq: the verifier's count of actor process proc's samples, in send order (trainer.settle_samples)
+# seq: the verifier's count of incarnation inc's samples of a cut, in send order
+# (trainer.settle_samples)
 _SAMPLE = {**_ROLLOUT, "reward": float, "status": str, "advantage": float, "seq": int}
 SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS), "sample": (_SAMPLE, _ARRAYS)}
 # Size caps. A header is ~300 bytes (a long math answer adds a few KiB). A frame is one sequence's
 # tokens at 4 bytes each: 16 MiB holds 4M tokens. Anything bigger is a bug or an attack.
 MAX_HEADER_BYTES = 64 * 2**10
 MAX_FRAME_BYTES = 16 * 2**20
-# Header ids and counts (group_id, sample_idx, group_size, proc, seq) are non-negative and fit in
+# Header ids and counts (group_id, sample_idx, group_size, inc, cut, seq) are non-negative and fit in
 # int32: the trainer sums them in float64 and the store adds them as int64, exactly.
 _MAX_ID = 2**31 - 1
 _WHAT = {bool: "true or false", int: f"an integer in [0, {_MAX_ID}]", float: "a finite number",

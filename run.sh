@@ -139,24 +139,31 @@ stop_all() {
 }
 trap 'echo "[run.sh] interrupted: stopping all roles"; stop_all; exit 130' INT TERM
 
-echo "[run.sh] node $NODE_RANK/$NNODES runs: ${ROLES[*]}; run directory: $RUN_DIR"
-for role in "${ROLES[@]}"; do
+start_role() {  # start_role ROLE [extra overrides...]: the role's command, as at the start
+  local role=$1; shift
   case $role in
-    verifier) launch verifier "$VERIFIER_CORES" "" "$PY" verifier.py "${OVERRIDES[@]}" ;;
+    store)    launch store "$VERIFIER_CORES" "" "$PY" weights_sync.py "${OVERRIDES[@]}" "$@" ;;
+    verifier) launch verifier "$VERIFIER_CORES" "" "$PY" verifier.py "${OVERRIDES[@]}" "$@" ;;
     actor)    ACTOR_PROC_INDEX=$(( NNODES > 1 ? NODE_RANK - TNODES : 0 )) \
-              launch actor "$ACTOR_CORES" "$ACTOR_GPUS" "$PY" actor.py "${OVERRIDES[@]}" ;;
+              launch actor "$ACTOR_CORES" "$ACTOR_GPUS" "$PY" actor.py "${OVERRIDES[@]}" "$@" ;;
     trainer)  launch trainer "$TRAINER_CORES" "$TRAINER_GPUS" "$PY" -m torch.distributed.run \
                 --nnodes "$TNODES" --node_rank "$NODE_RANK" --nproc_per_node "$TRAINER_NPROC" \
                 --master_addr "$MASTER_ADDR" --master_port "$(( SYNC_PORT + 1 ))" \
-                trainer.py "${OVERRIDES[@]}" ;;
+                trainer.py "${OVERRIDES[@]}" "$@" ;;
   esac
-done
+}
+echo "[run.sh] node $NODE_RANK/$NNODES runs: ${ROLES[*]}; run directory: $RUN_DIR"
+for role in "${ROLES[@]}"; do start_role "$role"; done
 if [[ -n "${PIDS[trainer]:-}" && "$NODE_RANK" == 0 ]]; then
   "$PY" scripts/launch.py progress "$RUN_DIR" & PROGRESS_PID=$!
 fi
 
 # --- watch: the run ends when the trainer ends (or, on an actor-only node, when the actor ends) ------
+# A role that dies is started again, run.max_restarts times per role (the trainer from its latest
+# complete checkpoint, run.resume=true): the others go on meanwhile (the weight group takes the
+# actor back, docs/DESIGN.md "Elastic roles"). The store is not restarted: it holds the run.
 MAIN=trainer; [[ -z "${PIDS[trainer]:-}" ]] && MAIN=actor
+declare -A RESTARTS=()
 while true; do
   for role in "${!PIDS[@]}"; do
     if ! kill -0 "${PIDS[$role]}" 2>/dev/null; then
@@ -170,7 +177,17 @@ while true; do
       if [[ "$role" != "$MAIN" && $rc == 0 ]]; then   # e.g. the actor saw the trainer's "done" first
         unset "PIDS[$role]"; continue
       fi
-      echo "[run.sh] FAILED: role '$role' exited with code $rc; stopping the others. Last lines of $RUN_DIR/logs/$role.log:" >&2
+      n=${RESTARTS[$role]:-0}
+      if [[ "$role" != store ]] && (( n < MAX_RESTARTS )); then
+        RESTARTS[$role]=$(( n + 1 ))
+        echo "[run.sh] role '$role' exited with code $rc; starting it again ($(( n + 1 )) of" \
+             "run.max_restarts=$MAX_RESTARTS). Last lines of $RUN_DIR/logs/$role.log:" >&2
+        tail -n 5 "$RUN_DIR/logs/$role.log" >&2 || true
+        if [[ "$role" == trainer ]]; then start_role trainer run.resume=true; else start_role "$role"; fi
+        continue
+      fi
+      echo "[run.sh] FAILED: role '$role' exited with code $rc ($n restarts of run.max_restarts=" \
+           "$MAX_RESTARTS); stopping the others. Last lines of $RUN_DIR/logs/$role.log:" >&2
       tail -n 25 "$RUN_DIR/logs/$role.log" >&2 || true
       stop_all
       exit 1

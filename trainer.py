@@ -5,13 +5,15 @@ Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage, seq), Z
           verifier at ports.host:ports.samples; each rank pulls its B/W sequences per step
           (B = trainer.batch_size).
 Produces  (1) the weights after every optimizer step (every actor.G_steps, conventional) to the
-          weight group (weights_sync.py), version = optimizer steps taken;
-          (2) <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer, optim-rank{r}.pt,
-          trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and samples_trainer.jsonl
-          (rank 0's sequences per step: group ids, per-token versions run-length coded [v, n]);
-          (4) once a step, the samples the verifier sent that never arrived, given back to the
-          actors' budgets (settle_samples: store keys dropped/<proc>).
-Run alone (a verifier pushes samples, the actor's vLLM workers join the weight group):
+          weight group of the live actors (weights_sync.WeightServer), version = optimizer steps
+          taken; (2) <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer,
+          optim-rank{r}.pt, trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and
+          samples_trainer.jsonl (rank 0's sequences per step: group ids, incarnations, per-token
+          versions run-length coded [v, n]); (4) once a step, per actor incarnation, the samples
+          trained (store keys consumed/<inc>) and those the verifier sent that never arrived, given
+          back to its budget (settle_samples: dropped/<inc>/<cut>).
+Run alone (the run's store at sync.host:sync.port, `python weights_sync.py`; a verifier pushes
+samples, the actors' vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
 `python trainer.py` without torchrun runs one rank with no process group (every collective is a
 no-op).
@@ -389,7 +391,7 @@ class TrainState:
     model: torch.nn.Module
     fsdp: FSDP
     step: int = 0  # optimizer steps taken = version of the current weights
-    max_group_id: int = -1  # largest group_id trained on, all ranks (the actor resumes after it)
+    max_group_id: int = -1  # largest group_id trained on, all ranks
     # every group id below this was trained on (all ranks; kept by checkpoints)
     trained_below: int = 0
     trained: set = field(default_factory=set)  # ids >= trained_below this rank trained on
@@ -397,13 +399,15 @@ class TrainState:
     skipped: int = 0
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
-    # actor process -> (its heartbeat alive/<p>, time.monotonic() here when that value was first
-    # seen)
-    beats: dict = field(default_factory=dict)
+    # samples of a lost actor incarnation, or of a group started before the cut (pull_samples)
+    discarded: int = 0
+    alone_since: float = None  # when this rank saw the weight group without actors (pull_samples)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
-    # rank 0 (settle_samples): actor process -> seqs received from its watermark on; each rank's
-    # highest seq of each process ((rank, proc) -> seq)
+    # rank 0 (settle_samples), since the cut `cut`: actor incarnation -> seqs received from its
+    # watermark on, samples trained; each rank's highest seq of each ((rank, inc) -> seq)
+    cut: int = None
     received: dict = field(default_factory=dict)
+    consumed: dict = field(default_factory=dict)
     highest: dict = field(default_factory=dict)
     # this rank's timeline (main sets it; run.trace): a disabled one records nothing
     events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
@@ -539,6 +543,7 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     # this rank's sums over all its samples (trained or not), computed on the host
     host = dict(sequences=len(samples), trained_sequences=len(trained),
                 reward_sum=sum(float(s["reward"]) for s in samples), malformed=state.malformed,
+                discarded=state.discarded,
                 all_tokens=sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
                 lag_sum=lags.sum(), lag_tokens=len(lags), pos_tokens=np.bincount(pos, minlength=P),
                 pos_lag_sum=np.bincount(pos, weights=lags, minlength=P))
@@ -569,7 +574,8 @@ def step_metrics(s, grad_norm, lag_min, lag_max, train_s, n_mb, state, skipped) 
                "lag_max": lag_max if s["lag_tokens"] else 0.0,
                "reward_mean": s["reward_sum"] / max(s["sequences"], 1), "tokens": s["tokens"],
                "tokens_per_s": s["all_tokens"] / train_s, "train_s": train_s, "micro_batches": n_mb,
-               "malformed": s["malformed"], "trained_sequences": s["trained_sequences"],
+               "malformed": s["malformed"], "discarded": s["discarded"],
+               "trained_sequences": s["trained_sequences"],
                "skipped_steps": state.skipped, "step_skipped": int(skipped)}
     # Paper Fig. 7: off-policyness by lag (an absent bucket had no tokens).
     for i, label in enumerate(loss.LAG_BUCKET_LABELS):
@@ -584,32 +590,31 @@ def step_metrics(s, grad_norm, lag_min, lag_max, train_s, n_mb, state, skipped) 
 
 # --- weights and checkpoints ----------------------------------------------------------------------
 
-def send_weights(state, sender, cfg, wait=False) -> float:
+def send_weights(state, server, store, cfg, wait=False) -> float:
     """The current weights to the actors (-> seconds on the loop's path): all ranks gather each
-    unit; rank 0 broadcasts it, or (sync.async_send) copies it for its AsyncSender thread to
-    broadcast during the next step. A busy thread skips this version (only the newest travel) unless
-    `wait`: the conventional actor idles for it; version 0 must arrive. Sets state.sent, the newest
-    version sent (the same on every rank)."""
+    unit, rank 0 copies it for its WeightServer's thread to broadcast while the next step trains.
+    A broadcast on the wire skips this version (only the newest travel) unless `wait`: the
+    conventional actor idles for it, the first version must arrive, and sync.async_send=false waits
+    for every broadcast. Sets state.sent, the newest version sent (the same on every rank)."""
     t0 = time.time()
-    if cfg.sync.async_send and cfg.weight_world > 1:
-        if sender is not None and wait:
-            sender.close()  # the broadcast in flight, bounded
-        busy = float(sender is not None and not sender.idle.is_set())
-        if all_max([busy], state.fsdp.device)[0]:  # sync: every rank follows rank 0's choice
-            return time.time() - t0
+    wait = wait or not cfg.sync.async_send
+    busy = float(server is not None and not wait and server.lock.locked())
+    if all_max([busy], state.fsdp.device)[0]:  # sync: every rank follows rank 0's choice
+        return time.time() - t0
     if cfg.sync.verify_every and state.step % cfg.sync.verify_every == 0:
         probe = probe_logprobs(state, cfg)  # all ranks; the actor checks its engines against it
-        if sender is not None:
-            sender.store.set(f"probe/{state.step}", json.dumps(probe))  # before the announcement
+        if is_main():
+            store.set(f"probe/{state.step}", json.dumps(probe))  # before the announcement
     named = ((n, t) for unit in state.fsdp.full_units(state.fsdp.dtype) for n, t in unit.items())
-    # a WeightSender returns once sent, an AsyncSender once it has its copy
-    if sender is not None:
-        sender.send(state.step, named, state.fsdp.manifest(state.fsdp.dtype))
+    if server is not None:
+        server.send(state.step, named, wait=True)  # waits only for a broadcast started since
+        if not cfg.sync.async_send:
+            server.drain()
     else:
         for _ in named:  # the other ranks' part of each unit's all-gather
             pass
     state.sent = state.step
-    # the span: gather, and broadcast (or copy it for the AsyncSender's thread: sync.async_send)
+    # the span: gather, and the copy the server's thread broadcasts
     state.events.span("send", t0, version=state.step)
     return time.time() - t0
 
@@ -721,24 +726,31 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
 
 # --- samples --------------------------------------------------------------------------------------
 
-def pull_samples(sock, n, state, cfg, addr, vocab_size, store):
-    """Block until this rank holds n samples. -> (samples, seconds waited). A malformed one (bad
-    schema, non-finite numbers, ids outside the vocabulary) is dropped and counted; no rank trains
-    on its seq, so settle_samples finds it lost: the verifier gives it back to its actor's
-    admission budget."""
+def pull_samples(sock, n, state, cfg, addr, vocab_size, view):
+    """Block until this rank holds n samples. -> (samples, seconds waited). `view()` -> (members,
+    cut) of the newest weight group: a sample of an actor incarnation that is not a member (lost),
+    or of a group started before the cut, is discarded and counted (`discarded`): WeightServer.
+    A malformed one (bad schema, non-finite numbers, ids outside the vocabulary) is dropped and
+    counted; no rank trains on its seq, so settle_samples finds it lost and gives it back."""
     out, waited, last = [], 0.0, time.time()  # waited: seconds in sock.poll; last: the last arrival
     while len(out) < n:
         t0 = time.time()
         ready = sock.poll(1000)
         waited += time.time() - t0
+        members, cut = view()
+        if not members and time.time() - last > 5 and not state.alone_since:
+            state.alone_since = time.time()
+            print(f"[trainer] no actor in the weight group: waiting up to {cfg.run.peer_timeout_s:.0f}"
+                  " s (run.peer_timeout_s) for one to join (actor.py, or run.sh on its node)",
+                  flush=True)
         if not ready:
-            watch_actors(store, cfg, state)
             if time.time() - last > cfg.run.peer_timeout_s:
                 sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
                          f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(out)} of {n} "
-                         f"here; {waiting_for(store, cfg, state)}")
+                         f"here; {waiting_for(members, cfg)}")
             continue
         last = time.time()
+        state.alone_since = None
         frames = sock.recv_multipart()
         try:
             header, arrays = common.decode(frames, "sample")
@@ -749,63 +761,66 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, store):
             state.malformed += 1
             print(f"[trainer] rank {rank()}: dropped a malformed sample ({e})", flush=True)
             continue
+        if header["inc"] not in members or header["cut"] != cut:
+            state.discarded += 1
+            continue
         out.append({**header, **arrays})
     return out, waited
 
-def settle_samples(state, samples, store):
-    """Give back to the actors' budgets (dropped/<proc>) the samples the verifier sent that never
-    arrived intact at any rank; all ranks call it once a step with their share. The verifier
-    numbers each actor process's samples in send order (`seq`), and a ZMQ pipe is first in, first
-    out (a reconnected rank's new one carries newer seqs): once every rank has received a sample
-    of process p numbered above s, p's sample s never arrives (a rank's connection dropped with it
-    queued, or it came malformed). Judged from the first seq of p this process received: a
-    restarted trainer says nothing of what was sent before it."""
-    # sync: every rank's (proc, seq) pairs of this step, flat
-    pairs = [v for s in samples for v in (int(s["proc"]), int(s["seq"]))]
+def group_view(store):
+    """-> a function giving (members: actor incarnations, cut) of the newest weight group in the
+    store, read again at most once a second (trainer ranks > 0; rank 0 has its WeightServer's)."""
+    cached = [0.0, set(), None]
+
+    def view():
+        if time.time() - cached[0] > 1.0:
+            g = int(store.add("group/count", 0))
+            info = json.loads(store.get(f"group/{g}")) if g else {"members": {}, "cut": None}
+            cached[:] = [time.time(), {int(i) for i in info["members"]}, info["cut"]]
+        return cached[1], cached[2]
+    return view
+
+def settle_samples(state, samples, store, cut):
+    """All ranks, once a step, with their share; rank 0 then (1) counts, per actor incarnation, the
+    samples trained since the cut and publishes it with this version (`consumed/<inc>`: "cut
+    version count"), the actors' admission budgets (actor.admit); (2) gives back to the actors'
+    budgets (dropped/<inc>/<cut>) the samples the verifier sent that never arrived intact at any
+    rank. The verifier numbers each incarnation's samples of a cut in send order (`seq`), and a ZMQ
+    pipe is first in, first out (a reconnected rank's new one carries newer seqs): once every rank
+    has received a sample of an incarnation numbered above s, its sample s never arrives (a rank's
+    connection dropped with it queued, or it came malformed). Judged from the first seq of the cut
+    received here: a restarted trainer, or a new cut, says nothing of what was sent before it."""
+    # sync: every rank's (incarnation, seq) pairs of this step's samples of this cut, flat
+    pairs = [v for s in samples if s["cut"] == cut for v in (int(s["inc"]), int(s["seq"]))]
     gathered = all_gather_ints(pairs, state.fsdp.device)
     if not is_main():
         return
+    if cut != state.cut:  # new streams, counted from 0
+        state.cut, state.received, state.highest, state.consumed = cut, {}, {}, {}
     for r, flat in enumerate(gathered):
-        for proc, seq in zip(flat[::2], flat[1::2]):
-            state.received.setdefault(proc, set()).add(seq)
-            state.highest[r, proc] = max(state.highest.get((r, proc), -1), seq)
-    for proc, received in state.received.items():
-        # every seq of p below it arrived or never will (-1 while a rank has none of p's)
-        watermark = min(state.highest.get((r, proc), -1) for r in range(world()))
+        for inc, seq in zip(flat[::2], flat[1::2]):
+            state.received.setdefault(inc, set()).add(seq)
+            state.highest[r, inc] = max(state.highest.get((r, inc), -1), seq)
+            state.consumed[inc] = state.consumed.get(inc, 0) + 1
+    for inc, count in state.consumed.items():
+        store.set(f"consumed/{inc}", f"{cut} {state.step} {count}")
+    for inc, received in state.received.items():
+        # every seq below it arrived or never will (-1 while a rank has none of inc's)
+        watermark = min(state.highest.get((r, inc), -1) for r in range(world()))
         lost = [s for s in range(min(received), watermark) if s not in received]
-        state.received[proc] = {s for s in received if s >= watermark}
+        state.received[inc] = {s for s in received if s >= watermark}
         if lost:
-            store.add(f"dropped/{proc}", len(lost))
-            print(f"[trainer] lost {len(lost)} samples of actor {proc}: given back", flush=True)
+            store.add(f"dropped/{inc}/{cut}", len(lost))
+            print(f"[trainer] lost {len(lost)} samples of actor incarnation {inc}: given back",
+                  flush=True)
 
-def watch_actors(store, cfg, state):
-    """Note when each actor's heartbeat (store key alive/<p>: its clock and host, rewritten every
-    run.log_every s) last changed, on this host's clock: a silence is then a duration measured here,
-    whatever the actor host's clock says (pull_samples calls it every idle second)."""
-    now = time.monotonic()
-    for p in range(cfg.actor_procs):
-        beat = store.get(f"alive/{p}").decode() if store.check([f"alive/{p}"]) else None
-        if beat is not None and state.beats.get(p, (None,))[0] != beat:
-            state.beats[p] = (beat, now)
-
-def waiting_for(store, cfg, state) -> str:
-    """For error messages: actors whose heartbeat did not change for over half of run.peer_timeout_s
-    (watch_actors), what they started and what was dropped on the way."""
-    watch_actors(store, cfg, state)
-    lost, now = [], time.monotonic()
-    for p in range(cfg.actor_procs):
-        if p not in state.beats:
-            lost.append(f"actor process {p} (never heard from)")
-        elif now - state.beats[p][1] > cfg.run.peer_timeout_s / 2:
-            beat, seen = state.beats[p]
-            lost.append(f"actor process {p} on {beat.split()[-1]} (silent for {now - seen:.0f} s)")
-    started = sum(int(store.add(f"started/{p}", 0)) for p in range(cfg.actor_procs))
-    dropped = sum(int(store.add(f"dropped/{p}", 0)) for p in range(cfg.actor_procs))
-    head = f"lost {', '.join(lost)}: its node is down or unreachable, or actor.py died there; "
-    return ((head if lost else "") + f"the actors started {started} samples, {dropped} were "
-            f"dropped on the way (verifier/trainer), so {started - dropped} can reach the trainer, "
-            f"which consumed {state.step * cfg.trainer.batch_size}: is verifier.py running, and "
-            "actor.py? (logs/verifier.log, logs/actor.log)")
+def waiting_for(members, cfg) -> str:
+    """For the no-samples error: what to look at."""
+    who = (f"the weight group's actor incarnations {sorted(members)} are alive (heartbeats)"
+           if members else f"no actor has been alive for run.heartbeat_timeout_s="
+           f"{cfg.run.heartbeat_timeout_s:.0f} s: its node is down or unreachable, or actor.py died "
+           "there")
+    return f"{who}; is verifier.py running? (logs/verifier.log, logs/actor.log)"
 
 # --- main -----------------------------------------------------------------------------------------
 
@@ -822,11 +837,9 @@ def main():
     if is_main():
         common.setup_logging(cfg, "trainer")
 
-    # The store first: the actor waits for it before starting its engines, so not for this model's
-    # load too.
-    sender = None
-    # rank 0 hosts it; every rank reads the actors' heartbeats there (pull_samples)
-    store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, is_main(), cfg.sync.timeout_s)
+    # The run's store (weights_sync.serve_store: run.sh starts it before any role): announcements,
+    # heartbeats, counters and the weight group's rendezvous outlive a trainer that restarts.
+    store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
 
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
     ckpt = latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
@@ -842,17 +855,20 @@ def main():
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(src)
 
-    # --- weight group (trainer rank 0 + every vLLM worker): version 0 or the checkpoint's first ---
+    # --- weight group (trainer rank 0 + every live actor's workers): this version first ---
+    server, view = None, group_view(store)
     if is_main():
-        # The actor's first prompts: the groups below the last trained one that were not trained on
-        # (in flight when the checkpoint was taken), then the groups after it.
-        store.set("untrained", ",".join(str(i) for i in untrained(state)))
-        store.set("cursor", str(state.max_group_id + 1))
-        group = weights_sync.init_group(store, 0, cfg.weight_world, "auto", cfg.sync.timeout_s)
-        sender = weights_sync.WeightSender(store, group, cfg.sync.bucket_mb)
-        if cfg.sync.async_send:
-            sender = weights_sync.AsyncSender(sender, cfg.sync.timeout_s)
-    send_weights(state, sender, cfg, wait=True)
+        epoch = int(store.add("trainer/epoch", 1))
+        # Group ids come from one counter (groups/next): no id twice, whatever restarts. On resume,
+        # the groups below the last trained one that were not trained on (in flight when the
+        # checkpoint was taken) come first, each once (redo/<epoch>; actor.Actor.next_group).
+        store.set(f"redo/{epoch}", ",".join(str(i) for i in untrained(state)))
+        behind = state.max_group_id + 1 - int(store.add("groups/next", 0))
+        if behind > 0:
+            store.add("groups/next", behind)
+        server = weights_sync.WeightServer(cfg, epoch, state.step, device)
+        view = lambda: (server.members, server.cut)  # noqa: E731 - changes before the actors hear
+    send_weights(state, server, store, cfg, wait=True)
 
     # --- samples: each rank pulls its own share from the verifier ---
     addr = common.zmq_addr(cfg.ports.host, cfg.ports.samples)
@@ -869,24 +885,24 @@ def main():
         wait_s = 0.0
         if not batches:
             if not conventional and weights_owed(state.step, state.sent, cfg.actor.max_lag):
-                send_weights(state, sender, cfg, wait=True)
+                send_weights(state, server, store, cfg, wait=True)
             # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL
             # step with one policy before its first optimizer step; PipelineRL (G_steps=1) steps as
             # soon as B are here.
             steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
             t_wait = time.time()
             pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr,
-                                          state.model.config.vocab_size, store)
+                                          state.model.config.vocab_size, view)
             state.events.span("wait", t_wait)
             batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
         samples = batches.pop(0)
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
-        settle_samples(state, samples, store)
+        settle_samples(state, samples, store, view()[1])
         # The weights go out in pipeline mode after every applied step; conventional: once per RL
         # step (G_steps steps), even when its last step was skipped (the actor waits for this
         # broadcast to start the next RL step).
         due = state.step % cfg.actor.G_steps == 0 and (conventional or not metrics["step_skipped"])
-        broadcast_s = send_weights(state, sender, cfg, wait=conventional) if due else 0.0
+        broadcast_s = send_weights(state, server, store, cfg, wait=conventional) if due else 0.0
         now = time.time()
         # busy: the time this step did not wait for samples / its wall (scripts/launch.py:
         # bottleneck)
@@ -901,6 +917,7 @@ def main():
             with open(cfg.run_dir / "samples_trainer.jsonl", "a") as f:
                 f.write(json.dumps({"step": state.step, "trainer_version": state.step - 1,
                                     "group_ids": [int(s["group_id"]) for s in samples],
+                                    "incs": [int(s["inc"]) for s in samples],
                                     "version_runs": rle}) + "\n")
         if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
             save_checkpoint(state, cfg, tokenizer)
@@ -908,12 +925,11 @@ def main():
     # --- end: final checkpoint (unless the last step just wrote it) and summary ---
     if not (cfg.run_dir / "checkpoints" / f"step-{state.step}" / "COMPLETE").is_file():
         save_checkpoint(state, cfg, tokenizer)
-    # sync (AsyncSender): after the broadcast in flight (the actors receive until "done")
-    if sender is not None:
-        sender.announce("done")  # the actors exit 0 on this (run.sh then ends the run)
-        # this process hosts the store: keep it up until they have seen it
+    if server is not None:
+        server.close("done")  # after the newest weights; the actors exit 0 on it
+        # their last metrics are written once they have seen it (run.sh then stops the run)
         deadline = time.time() + 30
-        while store.add("done_ack", 0) < cfg.actor_procs and time.time() < deadline:
+        while store.add("done_ack", 0) < len(server.members) and time.time() < deadline:
             time.sleep(0.1)
     if is_main():
         common.log("trainer", {"done": 1, "steps": state.step, "samples_total": state.samples,
@@ -926,8 +942,8 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    # e.g. no samples: a broadcast still pending in the AsyncSender's thread would make interpreter
-    # teardown abort ("terminate called"): leave at once
+    # e.g. no samples: a broadcast still pending in the WeightServer's thread would make
+    # interpreter teardown abort ("terminate called"): leave at once
     except SystemExit as e:
         if e.code not in (None, 0):
             if isinstance(e.code, str):

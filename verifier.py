@@ -3,18 +3,19 @@
 Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor
           (common.SCHEMAS).
 Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group,
-          for the trainer ranks, numbered per actor process in send order (`seq`: the trainer
-          finds the ones that never arrived, trainer.settle_samples); an evaluation pass
-          (`eval`: true) becomes a line of <run.dir>/eval.jsonl instead. Dropped groups
+          for the trainer ranks, numbered per actor incarnation and cut in send order (`seq`:
+          the trainer finds the ones that never arrived, trainer.settle_samples); an evaluation
+          pass (`eval`: true) becomes a line of <run.dir>/eval.jsonl instead. Dropped groups
           (zero-advantage when asked, malformed; never a slow one) go back to their actor's
-          admission budget through the trainer's store (dropped/<proc>). Metrics:
+          admission budget through the run's store (dropped/<inc>/<cut>). Metrics:
           metrics_verifier.jsonl.
 Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports.rollouts, PULL
-            samples from ports.samples; a drop needs the trainer's store at sync.host:sync.port)
+            samples from ports.samples; needs the run's store at sync.host:sync.port)
 
 Deliberate simplifications:
- 1. One process, state in memory: a restart loses the groups in progress (restart or resume the
-    run).
+ 1. One process, state in memory: a restart loses the groups in progress. It counts itself in the
+    store (verifier/incarnations), and the trainer then cuts: everything started before is given
+    up and generated anew (weights_sync.WeightServer).
  2. Advantage = r - group mean, no std division (the paper's code); rewards: the config's table
     plus DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
  3. Grading runs in `ScorePool` workers: subprocesses speaking JSON lines over pipes (a spawn pool
@@ -40,6 +41,7 @@ import zmq
 
 import common
 import tasks
+import weights_sync
 from loss import group_advantages
 
 # --- scoring --------------------------------------------------------------------------------------
@@ -173,18 +175,19 @@ class ScorePool:
 # --- the service ----------------------------------------------------------------------------------
 
 class State:
-    """The service's memory (simplification 1). A group's key is (eval, group_id): eval passes have
-    their own ids."""
+    """The service's memory (simplification 1). A group's key is (eval, group_id, inc, cut): eval
+    passes have their own ids, and an id generated again in another stream (a restarted trainer's
+    redo list, after its cut) is a new group, not a duplicate of the one this process finished."""
 
-    def __init__(self, cfg):
-        # the config; the trainer's store, connected at the first drop
-        self.cfg, self.store = cfg, None
-        # key -> {"size", "t0", "proc", "seen": {idx}, "scored": {idx: (header, arrays)}}
+    def __init__(self, cfg, store):
+        # the config; the run's store (weights_sync.serve_store)
+        self.cfg, self.store = cfg, store
+        # key -> {"size", "t0", "seen": {idx}, "stream": (inc, cut), "scored": {idx: (header, arrays)}}
         self.open = {}
         self.finished = OrderedDict()  # keys forwarded or dropped (simplification 4)
         self.scoring = {}  # pool ticket -> (key, header, arrays)
         self.outbox = deque()  # encoded samples waiting for a trainer rank
-        # actor process -> the count of its samples (`seq`)
+        # (actor incarnation, cut) -> the count of its samples (`seq`)
         self.seqs = defaultdict(itertools.count)
         self.counts = dict.fromkeys(["groups_forwarded", "zero_adv_groups", "dropped_groups",
                                      "dropped_samples", "duplicates", "malformed", "slow_groups",
@@ -200,18 +203,14 @@ class State:
         if len(self.finished) > 100_000:  # simplification 4
             self.finished.popitem(last=False)
 
-    def drop(self, key, proc: int, size: int):
-        """A group that will not be forwarded; a training group's samples go back to actor
-        `proc`'s budget."""
+    def drop(self, key, inc: int, cut: int, size: int):
+        """A group that will not be forwarded; a training group's samples go back to the budget of
+        actor incarnation `inc` since the cut `cut` (dropped/<inc>/<cut>)."""
         self.close(key)
         if not key[0]:
             self.counts["dropped_groups"] += 1
             self.counts["dropped_samples"] += size
-            if self.store is None:
-                import weights_sync
-                sync = self.cfg.sync
-                self.store = weights_sync.create_store(sync.host, sync.port, False, self.cfg.run.peer_timeout_s)
-            self.store.add(f"dropped/{proc}", size)
+            self.store.add(f"dropped/{inc}/{cut}", size)
 
 def receive(sock, state: State, pool, tokenizer, limit: int):
     """Check, decode, submit rollouts while the pool has room. A malformed one drops its group: it
@@ -220,7 +219,8 @@ def receive(sock, state: State, pool, tokenizer, limit: int):
         frames = sock.recv_multipart()
         try:
             header, arrays = common.decode(frames, "rollout")
-            key, idx, size = (header["eval"], header["group_id"]), header["sample_idx"], header["group_size"]
+            key = (header["eval"], header["group_id"], header["inc"], header["cut"])
+            idx, size = header["sample_idx"], header["group_size"]
             group = state.open.get(key, {"size": size, "seen": ()})
             if key in state.finished or idx in group["seen"]:
                 state.counts["duplicates"] += 1
@@ -236,15 +236,16 @@ def receive(sock, state: State, pool, tokenizer, limit: int):
         except common.WireError as e:
             state.counts["malformed"] += 1
             print(f"[verifier] dropped a malformed rollout: {e}", flush=True)
-            # peek_header keeps the fields that are valid by themselves: a drop needs these three
+            # peek_header keeps the fields that are valid by themselves: a drop needs these four
             h = common.peek_header(frames)
-            key = (False, h.get("group_id"))
-            if ({"group_id", "group_size", "proc"} <= h.keys() and h.get("eval") is not True
+            key = (False, h.get("group_id"), h.get("inc"), h.get("cut"))
+            if ({"group_id", "group_size", "inc", "cut"} <= h.keys() and h.get("eval") is not True
                     and key not in state.finished and h["group_size"] >= 1):
-                state.drop(key, h["proc"], h["group_size"])
+                state.drop(key, h["inc"], h["cut"], h["group_size"])
             continue
-        group = state.open.setdefault(key, {"size": size, "t0": time.monotonic(),
-                                            "proc": header["proc"], "seen": set(), "scored": {}})
+        group = state.open.setdefault(key, {"size": size, "t0": time.monotonic(), "seen": set(),
+                                            "stream": (header["inc"], header["cut"]),
+                                            "scored": {}})
         group["seen"].add(idx)
         state.scoring[pool.submit(text, header["answer"], header["task"])] = (key, header, arrays)
 
@@ -270,8 +271,8 @@ def complete(state: State, key):
     if max(rewards) == min(rewards):  # every advantage is 0: no gradient from this group
         state.counts["zero_adv_groups"] += 1
         if state.cfg.verifier.drop_zero_adv_groups:
-            return state.drop(key, group["proc"], group["size"])
-    seqs = state.seqs[group["proc"]]  # in send order: the outbox is first in, first out
+            return state.drop(key, *group["stream"], group["size"])
+    seqs = state.seqs[group["stream"]]  # in send order: the outbox is first in, first out
     for (h, a), adv in zip(members, advantages):
         state.outbox.append(common.encode({**h, "advantage": adv, "seq": next(seqs)}, a))
     state.counts["groups_forwarded"] += 1
@@ -308,7 +309,11 @@ def main():
     rollouts_sock, samples_sock = common.pull_socket(ctx), ctx.socket(zmq.PUSH)
     rollouts_sock.bind(common.zmq_addr(host, cfg.ports.rollouts))
     samples_sock.bind(common.zmq_addr(host, cfg.ports.samples))
-    pool, state, stopping = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg), []
+    # This incarnation, in the run's store: the trainer cuts when it changes (a restarted verifier
+    # lost the groups it held; weights_sync.WeightServer)
+    store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
+    store.add("verifier/incarnations", 1)
+    pool, state, stopping = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, store), []
     events = common.Events(cfg.run_dir, "verifier", cfg.run.trace)
     bucket = [time.time(), 0]  # the timeline's: its start, samples scored since
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -358,7 +363,8 @@ def main():
         # minutes after its first, and dropping it would train only on the problems answered
         # quickly (and lose an evaluation pass). A sample is known lost only when it arrives
         # malformed (`receive` drops its group), when the trainer finds that it never arrived
-        # (trainer.settle_samples), or when a role dies, which ends the run.
+        # (trainer.settle_samples), or when a role dies: then the trainer gives up the lost
+        # actor's samples, or everything before a cut (weights_sync.WeightServer).
         now = time.monotonic()
         if now - state.window["t"] >= cfg.run.log_every:
             for key, group in state.open.items():

@@ -1,20 +1,25 @@
 """The weight-update process group: trainer rank 0 broadcasts new weights to every vLLM worker.
 
 Consumes: the trainer's `(hf_name, full_tensor)` iterator (one sharding unit gathered at a time).
-Produces: the same tensors inside every vLLM worker (`WeightUpdateExtension`), loaded with
-`reload_weights` (written against vLLM 0.32's worker API: reload_weights, collective_rpc).
-Rendezvous: a `TCPStore` at `sync.host:sync.port` (master: trainer rank 0). Before each broadcast
-the trainer bumps the counter `announced` to n and sets `announce/<n>` to its version ("done" at
-the end): the actor blocks on the next key, never polls. An update: a header (int64 length, then
-UTF-8 JSON, never pickle), then buckets.
+Produces: the same tensors inside every vLLM worker (`WeightUpdateExtension`), copied into the
+model's Parameters in place (written against vLLM 0.32's worker API: model.load_weights,
+collective_rpc).
+Rendezvous: the run's `TCPStore` at `sync.host:sync.port`, served by a process of its own
+(`python weights_sync.py [k=v ...]`, started by run.sh). The trainer's `WeightServer` keeps the
+group to the live actors, re-forming it when one is lost or joins; before each broadcast it bumps
+the counter `announced` to n and sets `announce/<n>` to its version ("group <g>" before a new
+group's versions, "done" at the end): the actor blocks on the next key, never polls. An update: a
+header (int64 length, then UTF-8 JSON, never pickle), then buckets.
 
 Simplifications:
 1. Every update sends the full model (no deltas, no quantization on the wire).
-2. Memory: the sender stages two buckets (packs one while the other is on the wire); a CPU receiver
-   keeps one model copy of receive buffers across updates (see iter_tensors).
-3. Tied embeddings: the shared tensor travels once; vLLM's tied lm_head reruns its post-load step
-   after every update (`refresh_tied_heads`: on CPU a V x H repack, as at engine start); a
-   quantized tied lm_head is refused.
+2. Memory: the sender keeps a full copy of the weights and stages two buckets (packs one while the
+   other is on the wire); a CPU receiver keeps one model copy of receive buffers across updates
+   (see iter_tensors).
+3. Tied embeddings: the shared tensor travels once; a tied lm_head reads the embedding it shares
+   (`unpack_cpu_weights`); quantized engine models are refused.
+4. Membership is decided by rank 0 alone, from heartbeats in the store; a member that is slow to
+   meet is treated as lost and comes back as a new incarnation.
 """
 import collections
 import contextlib
@@ -23,6 +28,7 @@ import glob
 import itertools
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -56,16 +62,27 @@ def create_store(host: str, port: int, is_master: bool, timeout_s: float) -> dis
     return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False,
                          master_listen_fd=listener.detach())
 
-def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout_s: float = 300.0):
+def serve_store(cfg):
+    """The run's TCPStore at sync.host:sync.port, in a process of its own (run.sh starts it before
+    any role, on node 0): announcements, heartbeats, counters and every weight group's rendezvous
+    live here, so a role that dies and comes back (the trainer too) finds them as they were. It
+    holds no logic that could fail. Runs until SIGTERM or SIGINT."""
+    store = create_store(cfg.sync.host, cfg.sync.port, True, cfg.run.peer_timeout_s)
+    print(f"[store] serving at {cfg.sync.host}:{store.port}", flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+
+def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout_s: float = 300.0,
+               name: str = "weights", join_timeout_s: float = None):
     """A process group outside both programs' default worlds (docs/DESIGN.md,
-    "Two programs, one gloo group")."""
+    "Two programs, one gloo group"), its keys under `name` in the store."""
     backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
-    prefix, timeout = dist.PrefixStore("weights", store), datetime.timedelta(seconds=timeout_s)
-    # Every rank meets in the store first: a rank that never comes raises here after timeout_s,
-    # naming the group's keys. (NCCL would build its communicator at the first broadcast and wait
-    # there for ever.)
+    prefix, timeout = dist.PrefixStore(name, store), datetime.timedelta(seconds=timeout_s)
+    # Every rank meets in the store first: a rank that never comes raises DistStoreError here after
+    # join_timeout_s (default timeout_s), naming the group's keys. (NCCL would build its
+    # communicator at the first broadcast and wait there for ever.)
     prefix.set(f"joined/{rank}", "1")
-    prefix.wait([f"joined/{r}" for r in range(world_size)], timeout)
+    prefix.wait([f"joined/{r}" for r in range(world_size)],
+                datetime.timedelta(seconds=join_timeout_s or timeout_s))
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
     else:
@@ -79,35 +96,58 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
             pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
     # A first collective, bounded here: NCCL builds its communicator at the first one, beyond
     # blocking wait's reach, and a peer that met in the store but cannot connect (a wrong
-    # NCCL_SOCKET_IFNAME) would hang it for ever, silently.
-    first = torch.zeros(1, device=_device(pg))
-    bounded(lambda: pg.broadcast(first, 0).wait(), timeout_s,
-            f"the weight group's first broadcast (rank {rank} of {world_size}, store at "
-            f"{store.host}:{store.port}: sync.host:sync.port)")
-    return pg
+    # NCCL_SOCKET_IFNAME) would hang it for ever, silently. In a thread (on this thread's device),
+    # left behind if it hangs: nothing cancels a collective.
+    first, box = torch.zeros(1, device=_device(pg)), {}
+    device = torch.cuda.current_device() if pg.name() == "nccl" else None
 
-def bounded(fn, timeout_s: float, what: str):
-    """fn() in a thread (on this thread's CUDA device), waited for at most timeout_s: RuntimeError
-    naming `what` if it raised or is still running then (it is left behind: nothing cancels a
-    collective)."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
-    box = {}
-
-    def run():
+    def broadcast():
         if device is not None:
             torch.cuda.set_device(device)
         try:
-            box["result"] = fn()
+            pg.broadcast(first, 0).wait()
+            box["done"] = True
         except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
             box["error"] = e
-    thread = threading.Thread(target=run, daemon=True)
+    thread = threading.Thread(target=broadcast, daemon=True)
     thread.start()
     thread.join(timeout_s)
-    if thread.is_alive() or "error" in box:
-        cause = box.get("error") or f"not done after {timeout_s:.0f} s (sync.timeout_s)"
-        raise RuntimeError(f"{what} failed: {cause}; is every member up (trainer.py, and every "
-                           "actor.py's vLLM workers)?") from box.get("error")
-    return box.get("result")
+    if "done" not in box:
+        cause = box.get("error", f"no end after {timeout_s:.0f} s (sync.timeout_s)")
+        raise RuntimeError(f"the weight group's first broadcast (rank {rank} of {world_size}, store "
+                           f"at {store.host}:{store.port}: sync.host:sync.port) failed: {cause}; is "
+                           "every member up (trainer.py, and every actor.py's vLLM workers)?")
+    return pg
+
+# Groups given up (`abandon`), by id. NCCL: the shutdown aborts the communicator, and a collective
+# waiting on it fails at once. gloo: its shutdown ends nothing (measured: a broadcast waiting on a peer
+# that shut its group down, or on its own group shut down, ends only when the peer's process exits or
+# the op times out), so `wait` gives up on such a group itself; the group stays referenced here, since
+# its destructor would wait for the operation left inside it. One per group given up mid-operation.
+_ABANDONED = {}
+
+def shut_down(pg):
+    """Close a process group's connections (None, or one already shut down: nothing)."""
+    with contextlib.suppress(Exception):
+        pg.shutdown()
+
+def abandon(pg):
+    """Give up a weight group (None: nothing): an operation still waiting on it fails at once
+    (`wait`), on either backend."""
+    if pg is not None:
+        _ABANDONED[id(pg)] = pg
+        shut_down(pg)
+
+def wait(work, pg):
+    """`work.wait()` on group `pg`, which raises DistError once the group is abandoned (gloo: polled
+    every 0.2 ms, as the collective's completion is)."""
+    if pg.name() == "gloo":
+        while not work.is_completed():
+            if id(pg) in _ABANDONED:
+                raise dist.DistError("the weight group was given up (a newer one was formed) while "
+                                     "this operation waited")
+            time.sleep(0.0002)
+    work.wait()
 
 def _device(pg) -> torch.device:
     return torch.device(f"cuda:{torch.cuda.current_device()}" if pg.name() == "nccl" else "cpu")
@@ -137,8 +177,9 @@ class WeightSender:
     yielded, which the iterator's next yield must not overwrite (trainer.py allocates each gathered
     unit afresh)."""
 
-    def __init__(self, store, pg, bucket_mb: float):
-        self.store, self.pg, self.bucket_bytes, self.device = store, pg, int(bucket_mb * 2**20), _device(pg)
+    def __init__(self, store, pg, bucket_mb: float, device=None):
+        self.store, self.pg, self.bucket_bytes = store, pg, int(bucket_mb * 2**20)
+        self.device = device or _device(pg)
         self.staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def announce(self, value: str):
@@ -149,15 +190,16 @@ class WeightSender:
         entries, sizes = bucket_layout(manifest, self.bucket_bytes)
         header = json.dumps(dict(version=int(version), tensors=entries, buckets=sizes)).encode()
         self.announce(str(int(version)))  # the actor wakes on this and joins the broadcast
-        self.pg.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device), 0).wait()
-        self.pg.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), 0).wait()
+        pg = self.pg
+        wait(pg.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device), 0), pg)
+        wait(pg.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), 0), pg)
         tensors, slot = iter(named_tensors), 1
         # each staging buffer's broadcast; i -> (broadcast, tensor i) of a tensor broadcast from its
         # own memory
         packed, own = {}, {}
         for i, e in enumerate(entries):
             if i - 2 in own:  # the next yield may overwrite tensor i - 2: off the wire first
-                own.pop(i - 2)[0].wait()
+                wait(own.pop(i - 2)[0], pg)
             name, tensor = next(tensors, (None, None))
             if name != e["name"] or list(tensor.shape) != e["shape"] or tensor.dtype != getattr(torch, e["dtype"]):
                 got = "nothing" if name is None else f"{name} {list(tensor.shape)} {tensor.dtype}"
@@ -170,7 +212,7 @@ class WeightSender:
             if e["offset"] == 0:
                 slot = 1 - slot
                 if slot in packed:
-                    packed[slot].wait()
+                    wait(packed[slot], pg)
             self.staging[slot][e["offset"]:e["offset"] + e["nbytes"]].copy_(data)
             # the bucket is complete: on the wire
             if i + 1 == len(entries) or entries[i + 1]["bucket"] != e["bucket"]:
@@ -178,77 +220,210 @@ class WeightSender:
         if next(tensors, None) is not None:
             raise ManifestError(f"more tensors yielded than the manifest's {len(entries)}")
         for work in [*packed.values(), *(work for work, _ in own.values())]:
-            work.wait()
+            wait(work, pg)
 
-class AsyncSender:
-    """WeightSender.send from a thread, so that the trainer trains its next step while the weights
-    are on the wire instead of waiting for the broadcast. Memory: one full weight copy on rank 0,
-    filled only while no broadcast runs (`idle`): no torn update. A version that finds one running
-    is skipped: only the newest weights travel, each with its own version, so per-token labels stay
-    exact. sync.async_send=false: WeightSender itself, training waits."""
+class WeightServer:
+    """Trainer rank 0's side of the weight group, elastic: a thread of its own keeps the group's
+    members to the actor incarnations that are alive and broadcasts the newest weights to them,
+    while the trainer trains its next step (sync.async_send=false: the trainer waits for each).
 
-    def __init__(self, sender: WeightSender, timeout_s: float = 300.0):
-        self.sender, self.store, self.copy, self.error = sender, sender.store, {}, None
-        self.timeout_s = timeout_s  # the most a broadcast may take (sync.timeout_s)
-        self.idle = threading.Event()
-        self.idle.set()
+    Membership (store keys): an actor incarnation registers (`actor/<inc>`) and beats (`alive/<inc>`,
+    rewritten every run.log_every); one whose beat has not changed for run.heartbeat_timeout_s, or
+    that does not meet in a new group's rendezvous within it, is lost. gloo and NCCL groups are fixed
+    at creation, so a change forms a new group g (store prefix weights/<g>) of rank 0 and the live
+    members' workers: `group/<g>` holds its members (incarnation -> first rank), the latest cut, the
+    trainer's epoch and version, and "group <g>" is announced before its versions. The old group is
+    shut down, which fails a receive still waiting on it at once. A new group's first broadcast is
+    the newest copy this server holds: a (re)joining actor gets the newest weights first.
+    Cuts: this trainer's first group, and the first after the verifier restarted, is a cut: the
+    trainer never trains a sample of a group started before it (after a trainer restart its
+    versions may come from a timeline this trainer never had; a restarted verifier lost what it
+    held), and the actors start their accounting afresh. `members` and `cut` change before the
+    group is announced: the trainer filters its samples by them (trainer.pull_samples).
+    Memory: one full copy of the weights, written by `send` while no broadcast reads it."""
+
+    def __init__(self, cfg, epoch: int, version: int, device):
+        sync, self.cfg, self.epoch, self.version = cfg.sync, cfg, epoch, version
+        # its own connection: the rendezvous blocks on it
+        self.store = create_store(sync.host, sync.port, False, cfg.run.peer_timeout_s)
+        self.sender = WeightSender(self.store, None, sync.bucket_mb, device)
         # CUDA: the thread's work gets a stream of its own. A new thread's current stream is the
         # device's default stream, which training also uses: each bucket's pack and NCCL wait would
-        # queue training kernels behind the wire, and send() would return before anything was on it.
-        self.stream = torch.cuda.Stream(sender.device) if sender.device.type == "cuda" else None
+        # queue training kernels behind the wire.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the copy, its manifest, and whether the current group has yet to get it
+        self.copy, self.manifest, self.fresh = {}, None, False
+        self.lock = threading.Lock()  # held while the copy is written or on the wire
+        # the current group: its number, process group, members (incarnation -> first rank)
+        self.g, self.pg, self.members, self.cut = 0, None, {}, None
+        self.broken = False  # a broadcast failed: a member is gone
+        self.beats, self.lost = {}, set()  # inc -> (last beat value, when it changed here)
+        self.verifier = None  # the verifier incarnation at the last cut
+        self.error = None  # what stops the trainer (a mismatching manifest)
+        self.closed = False
+        self.wake = threading.Event()
+        # the watcher's latest look: live incarnations (None: not yet), the verifier's incarnation
+        self.live, self.verifier_now = None, None
+        threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def send(self, version: int, named_tensors, wait: bool):
+        """Copy the gathered weights (`named_tensors`, consumed whole: the other ranks gather with
+        it) for the thread to broadcast. With a broadcast on the wire this version is skipped (only
+        the newest travels, each with its own version, so labels stay exact) unless `wait`, which
+        waits at most sync.timeout_s (then RuntimeError naming the weight group)."""
+        self.check()
+        if not self.lock.acquire(timeout=self.cfg.sync.timeout_s if wait else 0):
+            for _ in named_tensors:
+                pass
+            if wait:
+                raise RuntimeError(f"the weight broadcast to the actors has not finished after "
+                                   f"{self.cfg.sync.timeout_s:.0f} s (sync.timeout_s); the weight "
+                                   f"group's store is at {self.store.host}:{self.store.port} "
+                                   "(sync.host:sync.port): is every actor.py's vLLM worker up?")
+            return
+        try:
+            manifest = []
+            for name, tensor in named_tensors:
+                if name not in self.copy:
+                    self.copy[name] = torch.empty_like(tensor, device=self.sender.device)
+                self.copy[name].copy_(tensor)
+                manifest.append((name, tuple(tensor.shape), tensor.dtype))
+            if self.stream is not None:
+                # the copy is complete before the thread's stream reads it
+                self.stream.wait_stream(torch.cuda.current_stream(self.sender.device))
+            self.version, self.manifest, self.fresh = version, manifest, True
+        finally:
+            self.lock.release()
+        self.wake.set()
 
     def check(self):
         if self.error is not None:
-            raise RuntimeError(f"the weight broadcast to the actors failed ({self.error}); is "
-                               "actor.py still running? its vLLM workers are ranks 1.. of the "
-                               "weight group at sync.host:sync.port") from self.error
-
-    def send(self, version: int, named_tensors, manifest):
-        """Copy the gathered weights into `copy` (the caller checked `idle`), broadcast it from a
-        thread."""
-        # the previous broadcast failed (e.g. a dead actor): the trainer stops here, named
-        self.check()
-        for name, tensor in named_tensors:
-            if name not in self.copy:
-                self.copy[name] = torch.empty_like(tensor, device=self.sender.device)
-            self.copy[name].copy_(tensor)
-        if self.stream is not None:
-            # the copy is complete before the sender's stream reads it
-            self.stream.wait_stream(torch.cuda.current_stream(self.sender.device))
-
-        def run():
-            try:
-                with contextlib.ExitStack() as scope:
-                    if self.stream is not None:
-                        # the thread's device: not always cuda:0
-                        torch.cuda.set_device(self.sender.device)
-                        scope.enter_context(torch.cuda.stream(self.stream))
-                    self.sender.send(version, iter(self.copy.items()), manifest)
-                    if self.stream is not None:
-                        # idle means on the wire and done: work.wait() only orders streams on CUDA
-                        self.stream.synchronize()
-            except Exception as e:  # noqa: BLE001
-                # the trainer's loop raises it at its next send/announce
-                self.error = e
-            finally:
-                self.idle.set()
-        self.idle.clear()
-        threading.Thread(target=run, daemon=True).start()
-
-    def close(self):
-        """Wait for the broadcast in flight (the actors keep receiving until they see "done"), at
-        most sync.timeout_s: gloo times its collectives out itself, but NCCL's first one, which
-        builds its communicator, is beyond blocking wait's reach."""
-        if not self.idle.wait(self.timeout_s):
-            raise RuntimeError(f"the weight broadcast to the actors has not finished after "
-                               f"{self.timeout_s:.0f} s (sync.timeout_s); the weight group's "
-                               f"store is at {self.store.host}:{self.store.port} "
-                               "(sync.host:sync.port): is every actor.py's vLLM worker up?")
-        self.check()
+            raise RuntimeError(f"the weight group failed: {self.error}") from self.error
 
     def announce(self, value: str):
-        self.close()
-        self.sender.announce(value)
+        """The next `announce/<n>`: "<version>" about to be broadcast, "group <g>", or "done"."""
+        self.store.set(f"announce/{int(self.store.add('announced', 1))}", value)
+
+    def drain(self):
+        """Wait until every member has the newest copy, or there is no member (at most
+        sync.timeout_s)."""
+        deadline = time.time() + self.cfg.sync.timeout_s
+        while (self.fresh or self.lock.locked()) and self.members and time.time() < deadline:
+            self.check()
+            time.sleep(0.01)
+        self.check()
+
+    def close(self, last: str = "done"):
+        """Broadcast the newest copy if a member has yet to get it, then announce `last` (the
+        actors exit on "done")."""
+        self.drain()
+        with self.lock:
+            self.announce(last)
+            self.closed = True  # the thread stops at its next turn
+
+    def _run(self):
+        if self.stream is not None:
+            torch.cuda.set_device(self.sender.device)  # the thread's device: not always cuda:0
+        while not self.closed:
+            self.wake.wait(0.5)
+            self.wake.clear()
+            try:
+                live, verifier = self.live, self.verifier_now
+                if live is None:  # the watcher's first look is yet to come
+                    continue
+                changed = self.broken or set(live) != set(self.members) or verifier != self.verifier
+                # no actor before and none now: nothing to form (a restarted trainer's first look
+                # comes before it has seen any beat change; an empty group would exclude them all)
+                if changed and (live or self.members):
+                    cut = self.cut is None or verifier != self.verifier
+                    self.verifier = verifier  # a cut announced stays the cut if its group fails
+                    self._regroup(live, cut)
+                if self.fresh and self.members:
+                    with self.lock, contextlib.ExitStack() as scope:
+                        self.fresh = False
+                        if self.stream is not None:
+                            scope.enter_context(torch.cuda.stream(self.stream))
+                        self.sender.send(self.version, iter(self.copy.items()), self.manifest)
+                        if self.stream is not None:
+                            # on the wire and done: work.wait() only orders streams on CUDA
+                            self.stream.synchronize()
+            except ManifestError as e:  # the trainer's model is not the engines': stop
+                self.error = e
+            except Exception as e:  # noqa: BLE001 - a member is gone: re-form without it
+                print(f"[trainer] weight group {self.g}: {type(e).__name__}: {e}; forming a "
+                      "new one of the actors that are alive", flush=True)
+                self.broken = True
+                self.wake.set()
+
+    def _watch(self):
+        """Every 0.5 s (a thread and a store connection of its own): which incarnations are alive
+        (`live`), and the verifier's incarnation. A member that is lost has its group shut down at
+        once: a broadcast waiting on a dead or unreachable host fails now, not after
+        sync.timeout_s (NCCL's answer to a lost member too: abort the communicator)."""
+        store = create_store(self.store.host, self.store.port, False, self.cfg.run.peer_timeout_s)
+        while not self.closed:
+            try:
+                self.live = self._live(store)
+                self.verifier_now = int(store.add("verifier/incarnations", 0))
+            except Exception as e:  # noqa: BLE001 - the store unreachable for a moment: next turn
+                print(f"[trainer] the store: {type(e).__name__}: {e}", flush=True)
+            if set(self.members) - set(self.live or self.members):
+                abandon(self.pg)
+            if set(self.live or ()) != set(self.members) or self.verifier_now != self.verifier:
+                self.wake.set()
+            time.sleep(0.5)
+
+    def _live(self, store) -> list:
+        """Registered actor incarnations whose beat changed within run.heartbeat_timeout_s, as this
+        server watched it (on this host's clock: the actors' clocks may differ). A beat seen once
+        proves nothing (a dead incarnation's last one stays in the store): it must change."""
+        now, limit = time.monotonic(), self.cfg.run.heartbeat_timeout_s
+        count = int(store.add("actor/incarnations", 0))
+        incs = [i for i in range(1, count + 1) if i not in self.lost]
+        beating = [i for i in incs if store.check([f"alive/{i}"])]
+        values = store.multi_get([f"alive/{i}" for i in beating]) if beating else []
+        for inc, value in zip(beating, values):
+            if inc not in self.beats:
+                self.beats[inc] = (value, None)  # first seen: not yet known to be alive
+            elif self.beats[inc][0] != value:
+                self.beats[inc] = (value, now)
+        beating = [i for i in beating if self.beats[i][1] is not None]
+        gone = {i for i in beating if now - self.beats[i][1] > limit}
+        for inc in gone & set(self.members):
+            print(f"[trainer] actor incarnation {inc} lost: no heartbeat for {limit:.0f} s "
+                  "(run.heartbeat_timeout_s)", flush=True)
+        self.lost |= gone
+        return [i for i in beating if i not in gone]
+
+    def _regroup(self, live: list, cut: bool):
+        """A new group of rank 0 and `live`'s workers, announced; members that do not meet in it
+        within run.heartbeat_timeout_s are lost (the next turn forms one without them)."""
+        old, self.pg, self.sender.pg = self.pg, None, None
+        abandon(old)  # a broadcast still waiting on the old group fails now
+        per = self.cfg.actor.engines * self.cfg.actor.tp  # weight ranks of an actor
+        g = int(self.store.add("group/count", 1))
+        members = {inc: 1 + k * per for k, inc in enumerate(sorted(live))}
+        # new members (and every member at a cut) start their count of consumed samples at 0
+        for inc in members if cut else set(members) - set(self.members):
+            self.store.set(f"consumed/{inc}", f"{g if cut else self.cut} {self.version} 0")
+        self.g, self.members, self.broken = g, members, False
+        self.cut = g if cut else self.cut
+        info = {"members": members, "cut": self.cut, "epoch": self.epoch, "version": self.version}
+        self.store.set(f"group/{g}", json.dumps(info))
+        # the new group gets the newest weights first
+        self.fresh = bool(self.copy)
+        self.announce(f"group {g}")
+        if not members:
+            return
+        try:
+            self.pg = self.sender.pg = init_group(
+                self.store, 0, 1 + len(members) * per, "auto", self.cfg.sync.timeout_s,
+                f"weights/{g}", self.cfg.run.heartbeat_timeout_s)
+        except dist.DistStoreError:
+            met = [self.store.check([f"weights/{g}/joined/{rank}"]) for rank in members.values()]
+            self.lost |= {inc for inc, ok in zip(members, met) if not ok}
+            raise
 
 # --- receiver -------------------------------------------------------------------------------------
 
@@ -258,9 +433,9 @@ def receive_header(pg, expected=None) -> dict:
     stays in step."""
     device = _device(pg)
     length = torch.zeros(1, dtype=torch.int64, device=device)
-    pg.broadcast(length, 0).wait()
+    wait(pg.broadcast(length, 0), pg)
     raw = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    pg.broadcast(raw, 0).wait()
+    wait(pg.broadcast(raw, 0), pg)
     header = json.loads(bytes(raw.cpu().numpy()).decode("utf-8"))
     if expected is None:
         return header
@@ -275,7 +450,7 @@ def receive_header(pg, expected=None) -> dict:
     if problems:
         scratch = torch.empty(max(header["buckets"], default=0), dtype=torch.uint8, device=device)
         for size in header["buckets"]:
-            pg.broadcast(scratch[:size], 0).wait()
+            wait(pg.broadcast(scratch[:size], 0), pg)
         more = f"; ... {len(problems) - 20} more" if len(problems) > 20 else ""
         raise ManifestError(f"weights for version {header['version']} do not match the model: "
                             + "; ".join(problems[:20]) + more)
@@ -309,7 +484,7 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
         if events is not None:
             events.append([torch.cuda.Event(enable_timing=True) for _ in range(2)])
             events[-1][0].record()
-        work.wait()
+        wait(work, pg)
         if events is not None:
             events[-1][1].record()
         stats["wait_s"] += time.perf_counter() - t0
@@ -434,10 +609,10 @@ class WeightUpdateExtension:
     Only small scalars go through collective_rpc (tensors as RPC arguments arrive as lists),
     weights over the group."""
 
-    def init_weight_group(self, host, port, world_size, rank_base, backend, timeout_s, run_dir=".",
-                          trace=False):
-        from vllm.distributed import get_tensor_model_parallel_rank
-        rank = rank_base + get_tensor_model_parallel_rank()
+    def init_weights_sync(self, host, port, timeout_s, track, run_dir=".", trace=False):
+        """Once, when the engine is up: the model made ready for updates in place, the checkpoint's
+        manifest to check them against, the decode steps timed."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         if self.model_config.quantization:
             # an update copies the trainer's weights in place; a quantized layer would need them
             # re-quantized first
@@ -452,11 +627,14 @@ class WeightUpdateExtension:
             self._ws_expected.pop(f"{name}.weight", None)
         # every Parameter an update must write (vLLM's names: a tied head's is its embedding's)
         self._ws_params = {name for name, _ in self._ws_model.named_parameters()}
-        self._ws_pg = init_group(create_store(host, port, False, timeout_s), rank, world_size, backend, timeout_s)
-        # one model copy of RAM on CPU
-        self._ws_buffers = {} if self._ws_pg.name() == "gloo" else None
-        self._ws_events = common.Events(run_dir, f"engine{rank}", trace)
-        self._ws_clock = StepClock(self._ws_pg.name() == "nccl")
+        self._ws_store = create_store(host, port, False, timeout_s)
+        self._ws_pg, self._ws_timeout = None, timeout_s
+        # CPU: one model copy of receive buffers, kept across updates (iter_tensors)
+        self._ws_buffers = None if torch.cuda.is_available() else {}
+        self._ws_tp = get_tensor_model_parallel_rank()
+        tp_track = f".{self._ws_tp}" if get_tensor_model_parallel_world_size() > 1 else ""
+        self._ws_events = common.Events(run_dir, f"{track}{tp_track}", trace)
+        self._ws_clock = StepClock(torch.cuda.is_available())
         # The update bookkeeping (_ws_tick, _ws_account): the last update's stats; the clock's time
         # of the last decode step's end, of the previous receive, and of the end of the step before
         # an update until the next step starts (then the update's stall, reported with the next);
@@ -468,6 +646,23 @@ class WeightUpdateExtension:
         # vLLM calls them by name: getattr(worker, name)
         for name in ("execute_model", "sample_tokens"):
             setattr(self, name, self._ws_timed(getattr(self, name)))
+
+    def join_weight_group(self, g: int, rank_base: int, world_size: int, join_timeout_s: float):
+        """Leave the weight group this worker is in (if any) and join group g (WeightServer) as rank
+        rank_base + its TP rank. A watcher thread shuts the new group down the moment a later one
+        is announced: a receive still waiting on it (its sender gone) fails at once instead of after
+        sync.timeout_s (NCCL: only an abort ends a wait on a peer that left) -> the rank."""
+        abandon(self._ws_pg)
+        rank = rank_base + self._ws_tp
+        self._ws_pg = init_group(self._ws_store, rank, world_size, "auto", self._ws_timeout,
+                                 f"weights/{g}", join_timeout_s)
+        store = create_store(self._ws_store.host, self._ws_store.port, False, self._ws_timeout)
+
+        def watch(pg):
+            with contextlib.suppress(Exception):  # the engine shut down first
+                store.wait([f"group/{g + 1}"], datetime.timedelta(days=365))
+            abandon(pg)
+        threading.Thread(target=watch, args=(self._ws_pg,), daemon=True).start()
         return rank
 
     def _ws_timed(self, method):
@@ -573,3 +768,8 @@ class WeightUpdateExtension:
         self._ws_events.span("receive", start, version=header["version"],
                              wire_s=self._ws_stats["wire_s"], load_s=self._ws_stats["load_s"])
         return self._ws_stats
+
+if __name__ == "__main__":
+    # python weights_sync.py [section.key=value ...]: the run's store (serve_store)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    serve_store(common.parse_argv())

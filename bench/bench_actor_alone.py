@@ -51,7 +51,6 @@ def main():
     from tests.conftest import free_port
     tmp = tempfile.mkdtemp()
     store = ws.create_store("127.0.0.1", 0, True, 120)
-    store.set("cursor", "0")
     cfg = common.load_config([f"run.dir={tmp}", f"sync.port={store.port}", f"ports.rollouts={free_port()}",
                               f"actor.max_inflight={args.h}", f"actor.cpu_cores={args.cores}", "actor.eval_every=0",
                               "actor.max_lag=100000", "sync.verify_every=0", *args.overrides])
@@ -67,17 +66,14 @@ def main():
                 got[0] += 1
 
     sd = load_file(os.path.join(cfg.model_path, "model.safetensors"))
-    manifest = [(n, tuple(t.shape), t.dtype) for n, t in sd.items()]
 
     async def run():
         engine = actor.start_engines(cfg)[0]
-        box = {}
-        th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 120)))
-        th.start()
-        await actor.join_weight_group(cfg, [engine])
-        th.join()
-        sender = ws.WeightSender(store, box["pg"], cfg.sync.bucket_mb)
-        threading.Thread(target=sender.send, args=(0, iter(sd.items()), manifest), daemon=True).start()
+        await actor.init_sync(cfg, [engine])
+        # trainer rank 0's side: takes the actor into its group once it beats, then sends version 0
+        store.set("redo/1", "")
+        server = ws.WeightServer(cfg, epoch=1, version=0, device=torch.device("cpu"))
+        server.send(0, iter(sd.items()), wait=True)
         halt = asyncio.Event()
         task = asyncio.ensure_future(actor.run_actor(cfg, [engine], store, halt))
         await asyncio.sleep(args.seconds / 4)  # warm-up; then the front-end's CPU time is counted
@@ -98,7 +94,7 @@ def main():
     tokens = sum(r["actor/engine_tokens_per_s"] * (r["time"] - q["time"]) for q, r in zip(recs, recs[1:])
                  if cpu[0][0] < q["time"] and r["time"] <= cpu[1][0])
     # the engine's busy fraction (time inside decode steps / wall) over the same records' span
-    busy = [c[3]["busy"] for c in read_events(Path(tmp) / "events_engine1.jsonl")
+    busy = [c[3]["busy"] for c in read_events(Path(tmp) / "events_engine0-0.jsonl")
             if c[0] == "C" and c[2] > t0 + (recs[-1]["time"] - t0) / 4]
     print(f"\n== the actor alone, h={args.h}, cores {args.cores} ({'pinned' if args.pin else 'engine process there, front-end elsewhere'}): "
           f"{np.mean(keep):.0f} engine tokens/s (mean of {len(keep)} one-second records; {got[0]} rollouts); "

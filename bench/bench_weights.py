@@ -110,15 +110,16 @@ async def engine_sender(engine, bucket_mb):
     """A weight group of two: trainer rank 0 in this process, the engine's one worker as rank 1."""
     store = ws.create_store("127.0.0.1", 0, True, 120)
     box = {}
-    th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 120)))
-    th.start()  # init_group blocks until the worker joins, which the RPC below makes happen
-    await engine.collective_rpc("init_weight_group", args=("127.0.0.1", store.port, 2, 1, "gloo", 120))
+    th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 120, "weights/1")))
+    th.start()  # init_group blocks until the worker joins, which the RPCs below make happen
+    await engine.collective_rpc("init_weights_sync", args=("127.0.0.1", store.port, 120, "engine-bench"))
+    await engine.collective_rpc("join_weight_group", args=(1, 1, 2, 120))
     th.join()
     return ws.WeightSender(store, box["pg"], bucket_mb)
 
 
 def bench_vllm(model_dir, bucket_mb, reps):
-    """The same send into a vLLM engine's worker: wire time vs load (reload_weights) time."""
+    """The same send into a vLLM engine's worker: wire time vs load (in place) time."""
     import asyncio
     os.environ["PYTHONPATH"] = str(REPO)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "1"
@@ -178,7 +179,7 @@ def main():
             if not args.no_vllm:
                 send_s, rpc_s, wire_s, load_s = bench_vllm(model_dir, args.bucket_mb, args.reps)
                 print(f"  into vLLM: trainer's send {send_s * 1e3:.1f} ms, receive_weights rpc {rpc_s * 1e3:.1f} ms "
-                      f"= wire {wire_s * 1e3:.1f} ms + load (reload_weights) {load_s * 1e3:.1f} ms")
+                      f"= wire {wire_s * 1e3:.1f} ms + load (in place) {load_s * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Checks (each independent; a failure is reported and the next check runs):
                 tests/test_trainer.py on the same device: max |param diff| after 3 steps (CPU bound 1e-5)
   fsdp_fp32_ac  the same with trainer.activation_checkpointing=true (re-gather in recomputation)
   fsdp_bf16     the same with bf16 compute (model.dtype auto on GPU): distance from the fp32 reference (< 3e-2)
-  sender_stream the AsyncSender broadcasts on its own stream: a training op is not queued behind it (GPU only)
+  sender_stream the WeightServer broadcasts on its own stream: a training op is not queued behind it (GPU only)
   step_clock    the engine's step clock (weights_sync.StepClock) times a queued kernel's run on the device,
                 not its queueing (GPU only)
   weight_group_timeout  a weight group whose rank 1 never comes raises after sync.timeout_s, at init_group's
@@ -150,27 +150,27 @@ def fsdp_bf16(tmp):
 
 @check("sender_stream")
 def sender_stream():
-    """The AsyncSender's thread works on a stream of its own: a training op issued while a broadcast is
-    slow (its stream held busy by a sleep kernel) finishes first."""
+    """The WeightServer's thread works on a stream of its own: a training op issued after a copy for it,
+    while its stream is held busy (a sleep kernel, as a slow broadcast), finishes first."""
     if SMOKE:
         return {"skipped": True, "verdict": "CPU: no streams"}
-    store = weights_sync.create_store("127.0.0.1", free_port(), True, 60)
-    pg = weights_sync.init_group(store, 0, 1, "nccl", timeout_s=60)  # a group of one: sent to nobody
-    sender = weights_sync.AsyncSender(weights_sync.WeightSender(store, pg, bucket_mb=1))
-    assert sender.stream is not None and sender.stream != torch.cuda.current_stream(), "no stream of its own"
+    store = weights_sync.create_store("127.0.0.1", free_port(), True, 60)  # the run's store
+    cfg = common.load_config([f"sync.port={store.port}"])
+    server = weights_sync.WeightServer(cfg, epoch=1, version=0, device=dev())  # no actor: sent to nobody
+    assert server.stream is not None and server.stream != torch.cuda.current_stream(), "no stream of its own"
     named = [("w", torch.randn(1024, 1024, device=dev()))]
-    with torch.cuda.stream(sender.stream):
-        torch.cuda._sleep(int(2e9))  # ~1 s of the sender's stream
-    sender.send(1, iter(named), [("w", [1024, 1024], torch.float32)])
+    with torch.cuda.stream(server.stream):
+        torch.cuda._sleep(int(2e9))  # ~1 s of the server's stream
+    server.send(1, iter(named), wait=True)
     x = torch.randn(2048, 2048, device=dev())
     done = torch.cuda.Event()
     (x @ x).sum()
     done.record()
     done.synchronize()  # the training stream only
-    overlapped = not sender.idle.is_set()
-    sender.close()
-    assert overlapped, "the training op waited for the broadcast's stream"
-    return {"verdict": "a training op finished while the sender's stream was still busy"}
+    overlapped = not server.stream.query()
+    server.close("done")
+    assert overlapped, "the training op waited for the server's stream"
+    return {"verdict": "a training op finished while the server's stream was still busy"}
 
 
 @check("step_clock")
@@ -364,13 +364,19 @@ def _line(r):
 def big(tmp):
     out, state = _big(tmp)
     store = weights_sync.create_store("127.0.0.1", free_port(), True, 60)
-    pg = weights_sync.init_group(store, 0, 1, "gloo" if SMOKE else "nccl", timeout_s=60)
-    sender = weights_sync.WeightSender(store, pg, bucket_mb=32)
-    if "cfg" in inspect.signature(trainer.send_weights).parameters:  # since sync.async_send: the blocking send
-        cfg = make_cfg(tmp, world=1, **{"sync.async_send": "false"})
-        send = lambda v: trainer.send_weights(state, sender, cfg, wait=True)  # noqa: E731 (sends version state.step)
-    else:
-        send = lambda v: trainer.send_weights(state, sender, v)  # noqa: E731
+    params = inspect.signature(trainer.send_weights).parameters
+    if "store" in params:  # the elastic WeightServer: no actor, so send_weights gathers and copies
+        cfg = make_cfg(tmp, world=1, **{"sync.async_send": "false", "sync.port": str(store.port)})
+        server = weights_sync.WeightServer(cfg, epoch=1, version=0, device=dev())
+        send = lambda v: trainer.send_weights(state, server, store, cfg, wait=True)  # noqa: E731
+    else:  # older trees: a 1-rank group of its own
+        pg = weights_sync.init_group(store, 0, 1, "gloo" if SMOKE else "nccl", timeout_s=60)
+        sender = weights_sync.WeightSender(store, pg, bucket_mb=32)
+        if "cfg" in params:  # since sync.async_send: the blocking send
+            cfg = make_cfg(tmp, world=1, **{"sync.async_send": "false"})
+            send = lambda v: trainer.send_weights(state, sender, cfg, wait=True)  # noqa: E731
+        else:
+            send = lambda v: trainer.send_weights(state, sender, v)  # noqa: E731
     send(1)  # warm-up (the first collective creates NCCL's communicator)
     _sync()
     times = []
@@ -378,6 +384,8 @@ def big(tmp):
         state.step = v
         times.append(send(v))
         _sync()
+    if "store" in params:
+        server.close()
     gb = out["params_M"] * 1e6 * 2 / 1e9
     assert out["loss_finite"], "non-finite loss"
     target = "" if out["mfu"] is None else f" (target 40%: {'met' if out['mfu'] >= 0.4 else 'NOT met'})"

@@ -34,10 +34,11 @@ from scripts.throughput_model import n_cores, r_pipeline  # noqa: E402
 # --- checks before any process starts: the model and this node's GPUs ---------------------------------
 
 def node_roles(cfg) -> list:
-    """The roles run.sh starts on node NODE_RANK of NNODES: node 0 the verifier, nodes below trainer.nnodes
-    the trainer, every further node one actor (a single node runs all three)."""
+    """The roles run.sh starts on node NODE_RANK of NNODES, in this order: node 0 the run's store and the
+    verifier, nodes below trainer.nnodes the trainer, every further node one actor (a single node runs all)."""
     nnodes, rank = int(os.environ.get("NNODES", "1")), int(os.environ.get("NODE_RANK", "0"))
-    return [role for role, here in (("verifier", rank == 0), ("trainer", rank < cfg.trainer.nnodes),
+    return [role for role, here in (("store", rank == 0), ("verifier", rank == 0),
+                                    ("trainer", rank < cfg.trainer.nnodes),
                                     ("actor", rank >= cfg.trainer.nnodes or nnodes == 1)) if here]
 
 
@@ -193,7 +194,9 @@ def check(cfg, roles=None, visible=None) -> dict:
 
 def resolve_run_dir(cfg, roles: list) -> str:
     """run.dir="" -> a new runs/<time> (or, with run.resume=true, the newest run under runs/).
-    A run directory that already holds one of `roles`' metrics is only reused with run.resume=true."""
+    A run directory that already holds the metrics of one of `roles` is only reused with
+    run.resume=true; an actor joins whatever run is live at the store, so a node of actors may
+    rejoin a running run with the command that started it."""
     if not cfg.run.dir:
         runs = sorted(p for p in (REPO / "runs").glob("*") if (p / "config.yaml").exists()) \
             if (REPO / "runs").exists() else []
@@ -203,7 +206,7 @@ def resolve_run_dir(cfg, roles: list) -> str:
             return str(max(runs, key=lambda p: p.stat().st_mtime))
         return str(REPO / "runs" / time.strftime("%Y%m%d-%H%M%S"))
     d = cfg.run_dir
-    used = [r for r in roles if (d / f"metrics_{r}.jsonl").exists()]
+    used = [r for r in roles if r != "actor" and (d / f"metrics_{r}.jsonl").exists()]
     if used and not cfg.run.resume:
         raise ConfigError(f"run.dir={cfg.run.dir} already holds a run ({', '.join(used)} metrics): pass "
                           f"run.resume=true to continue it, or choose another run.dir")
@@ -223,12 +226,12 @@ def shell(overrides: list, visible=None) -> str:
               "TRAINER_NPROC": cfg.trainer.nproc, "ACTOR_CORES": cfg.actor.cpu_cores,
               "TRAINER_CORES": cfg.trainer.cpu_cores, "VERIFIER_CORES": cfg.verifier.cpu_cores,
               "ACTOR_GPUS": gpus["actor"], "TRAINER_GPUS": gpus["trainer"], "MODEL_PATH": cfg.model.path,
-              "SYNC_PORT": cfg.sync.port}
+              "SYNC_PORT": cfg.sync.port, "MAX_RESTARTS": cfg.run.max_restarts}
     lines = [f"{k}={shlex.quote(str(v))}" for k, v in values.items()]
     lines += [f"ROLES=({' '.join(roles)})", f"GPU_OVERRIDES=({' '.join(map(shlex.quote, gpu_overrides))})"]
     # OMP_NUM_THREADS of each role: one thread per core of its list (an empty list: one)
     lines.append("declare -A THREADS=(" + " ".join(f"[{r}]={len(common.cpu_set(getattr(cfg, r).cpu_cores)) or 1}"
-                                                  for r in ("verifier", "trainer", "actor")) + ")")
+                                                  for r in ("verifier", "trainer", "actor")) + " [store]=1)")
     return "\n".join(lines)
 
 

@@ -53,6 +53,64 @@ def receive_weights(pg, expected=None):
     return header["version"], {n: t.clone() for n, t in weights_sync.iter_tensors(pg, header)}
 
 
+class FakeActor:
+    """An actor as the trainer's WeightServer sees it, in threads of this process (no vLLM): it registers an
+    incarnation (`inc`), beats (alive/<inc>), joins each weight group that takes it in (one engine), receives
+    every version announced to it (`updates`: [(version, {name: tensor})]) and acknowledges "done" (`done`). `cut`: its group's cut,
+    which the samples it makes carry (trainer.pull_samples discards others)."""
+
+    def __init__(self, store_port: int, timeout_s: float = 120, clock_skew_s: float = 0.0):
+        import threading
+        import weights_sync
+        self.port, self.timeout_s, self.skew = store_port, timeout_s, clock_skew_s
+        self.store = weights_sync.create_store("127.0.0.1", store_port, False, timeout_s)
+        self.updates, self.cut, self.error = [], None, None
+        self.done = threading.Event()
+        self.first = int(self.store.add("announced", 0)) + 1
+        self.inc = int(self.store.add("actor/incarnations", 1))
+        threading.Thread(target=self._beat, daemon=True).start()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    @property
+    def versions(self) -> list:
+        return [v for v, _ in self.updates]
+
+    def _beat(self):
+        import time
+        import weights_sync
+        beats = weights_sync.create_store("127.0.0.1", self.port, False, self.timeout_s)
+        while not self.done.is_set():
+            beats.set(f"alive/{self.inc}", f"{time.time() + self.skew:.1f}")  # its host's clock
+            time.sleep(0.2)
+
+    def _run(self):
+        import json
+        from datetime import timedelta
+        import weights_sync
+        pg, n = None, self.first
+        try:
+            while True:
+                self.store.wait([f"announce/{n}"], timedelta(seconds=self.timeout_s))
+                value = self.store.get(f"announce/{n}").decode()
+                n += 1
+                if value == "done":
+                    self.store.add("done_ack", 1)
+                    return
+                if value.startswith("group "):
+                    g = int(value.split()[1])
+                    info = json.loads(self.store.get(f"group/{g}"))
+                    if str(self.inc) in info["members"]:
+                        pg = weights_sync.init_group(self.store, info["members"][str(self.inc)],
+                                                     1 + len(info["members"]), "gloo", 60, f"weights/{g}")
+                        self.cut = info["cut"]
+                elif pg is not None:
+                    self.updates.append(receive_weights(pg))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+        finally:
+            self.done.set()
+
+
 def score_many(pool, items: list) -> list:
     """[(completion, answer, task)] -> [(reward, status)] in the same order, through a verifier.ScorePool."""
     tickets, done = [pool.submit(*item) for item in items], {}

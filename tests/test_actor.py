@@ -58,19 +58,63 @@ def constant_model(sd, token_id, seed=1):
 
 
 class FakeTrainer:
-    """Trainer rank 0 of the weight group: announces and broadcasts versions (from a thread)."""
+    """Trainer rank 0 of the weight group, by hand: forms groups as weights_sync.WeightServer does
+    (group/<g> in the store, "group <g>" announced, the rendezvous under weights/<g>), announces and
+    broadcasts versions (from a thread). With each version it publishes each member's consumed count
+    (consumed/<inc>) as a trainer of batch_size samples a version would: one member takes them all."""
 
-    def __init__(self, store, pg):
-        self.store, self.sender, self.version = store, ws.WeightSender(store, pg, bucket_mb=1), -1
+    def __init__(self, store, epoch=1, batch_size=8):
+        # a connection of its own, as the trainer's: a rendezvous waiting on a shared one would hold
+        # the actor's reads on it (a TCPStore client serves one call at a time)
+        self.store = ws.create_store(store.host, store.port, False, 60)
+        self.epoch, self.version, self.batch_size = epoch, -1, batch_size
+        self.sender = self.pg = self.cut = None
+        self.members, self.first = {}, None  # the current group's, and the version of its first weights
+        store.set(f"redo/{epoch}", "")
+
+    def regroup(self, members: dict, cut=False, join=None, per=1):
+        """A new group of rank 0 and `members` (incarnation -> first weight rank; `per` ranks each),
+        announced; it is formed once they meet: by themselves (an actor loop), or by `join(g)`."""
+        g = int(self.store.add("group/count", 1))
+        self.cut = g if cut or self.cut is None else self.cut
+        # the version its first weights carry: a WeightServer's newest copy; here the next send's
+        # (set by consumed())
+        self.members, self.first = members, None
+        for inc in members:
+            self.store.set(f"consumed/{inc}", f"{self.cut} {self.version + 1} 0")
+        self.store.set(f"group/{g}", json.dumps({"members": members, "cut": self.cut,
+                                                 "epoch": self.epoch, "version": self.version + 1}))
+        self.store.set(f"announce/{int(self.store.add('announced', 1))}", f"group {g}")
+        box = {}
+        th = threading.Thread(target=lambda: box.update(pg=ws.init_group(
+            self.store, 0, 1 + len(members) * per, "gloo", 120, f"weights/{g}")))
+        th.start()
+        if join is not None:
+            join(g)
+        th.join()
+        if self.pg is not None:
+            self.pg.shutdown()
+        self.pg = box["pg"]
+        self.sender = ws.WeightSender(self.store, self.pg, bucket_mb=1)
+        return g
+
+    def consumed(self, version):
+        """Before `version` goes out: batch_size samples trained per version since the group's first
+        (the first sent after regroup: tests skip versions)."""
+        self.first = version if self.first is None else self.first
+        for inc in self.members:
+            self.store.set(f"consumed/{inc}", f"{self.cut} {version} {(version - self.first) * self.batch_size}")
 
     def send(self, sd, version=None):
         self.version = self.version + 1 if version is None else version
+        self.consumed(self.version)
         self.sender.send(self.version, iter(sd.items()), manifest(sd))
         return self.version
 
     def send_async(self, sd):
         version = self.version + 1
         self.version = version
+        self.consumed(version)
         th = threading.Thread(target=self.sender.send, args=(version, iter(sd.items()), manifest(sd)))
         th.start()
         return th, version
@@ -108,7 +152,6 @@ def env(tmp_path_factory, insecure_serialization):
     model_dir = random_model_dir(tmp / "model", seed=0)
     tok = make_tokenizer()
     store = ws.create_store("127.0.0.1", 0, True, 60)  # port 0: the OS picks a free one
-    store.set("cursor", "0")
     cfg = make_cfg(tmp, model_dir, store.port, free_port())
     loop = asyncio.new_event_loop()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")  # inherited by the engine core process
@@ -120,22 +163,22 @@ def env(tmp_path_factory, insecure_serialization):
     from vllm import SamplingParams
     hot = SamplingParams(temperature=2.0, max_tokens=48, ignore_eos=True)
 
-
     async def first(e, request_id):  # no weights loaded yet: no version labels to read
         async for out in e.generate(PROMPTS[0], hot, request_id=request_id):
             pass
         return list(out.outputs[0].token_ids)
     firsts = loop.run_until_complete(_gather(first(engine, "first-0"), first(other, "first-1")))
     other.shutdown()
-    box = {}
-    th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, cfg.weight_world, "gloo", 60)))
-    th.start()
-    loop.run_until_complete(actor.join_weight_group(cfg, [engine]))
-    th.join()
+    loop.run_until_complete(actor.init_sync(cfg, [engine]))
+    # the engine in a group of its own, as a fake incarnation (the loop tests' actors register theirs)
+    trainer = FakeTrainer(store)
+    inc = int(store.add("actor/incarnations", 1))
+    trainer.regroup({inc: 1}, join=lambda g: loop.run_until_complete(
+        actor.join_group(cfg, [engine], g, 1, 2)))
     sd = state_dict(model_dir)
     ids = {c: tok.convert_tokens_to_ids(c) for c in "ab"}
     yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd, firsts=firsts,
-               inductor=tmp / "inductor", trainer=FakeTrainer(store, box["pg"]), ids=ids,
+               inductor=tmp / "inductor", trainer=trainer, ids=ids,
                A=constant_model(sd, ids["a"]), B=constant_model(sd, ids["b"], seed=2))
     engine.shutdown()
     pending = asyncio.all_tasks(loop)
@@ -429,17 +472,20 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False, proc_index=0):
     pull.bind(common.zmq_addr("127.0.0.1", cfg.ports.rollouts))
     st, stop, result = actor.ActorState(), asyncio.Event(), {}
 
+    registered = int(env["store"].add("actor/incarnations", 0))
+
     def trainer():
         try:
+            # the actor registers its incarnation; a group takes it in (it joins by itself)
+            while int(env["store"].add("actor/incarnations", 0)) == registered:
+                time.sleep(0.01)
+            env["trainer"].regroup({registered + 1: 1})
             result["value"] = trainer_fn(pull, st)
         except BaseException as e:  # noqa: BLE001
             result["error"] = e
 
     th = threading.Thread(target=trainer)
-    announced = env["store"].add("announced", 0)
-    th.start()  # its first send announces the actor's first weights; run_actor must see that one first
-    while env["store"].add("announced", 0) == announced and th.is_alive():
-        time.sleep(0.005)
+    th.start()
 
     async def watcher():
         while th.is_alive():
@@ -515,7 +561,8 @@ def test_slow_trainer_lag_bounded_nothing_dropped(env):
         assert len(a["logprobs"]) == len(a["completion_ids"]) == len(a["versions"]) > 0
         assert (a["versions"] >= v0).all()
     assert all(sorted(s) == list(range(4)) for s in groups.values())  # every started group complete
-    assert sorted(groups) == list(range(len(groups)))  # prompt order from the cursor (0)
+    # prompt order: consecutive ids from the run's counter
+    assert sorted(groups) == list(range(min(groups), min(groups) + len(groups)))
 
 
 def test_skipped_steps_do_not_stall_admission(env):
@@ -546,27 +593,28 @@ def test_skipped_steps_do_not_stall_admission(env):
 
 
 def test_resume_generates_untrained_groups_first(env):
-    """On resume the trainer lists the groups below its cursor that were never trained on (in flight at the
-    checkpoint: the slow, long ones); the actor starts them before the cursor's."""
+    """A trainer that resumed lists the groups below its checkpoint's last that were never trained on (in
+    flight at the checkpoint: the slow, long ones; store key redo/<epoch>); the actor starts each of them
+    once, before new ids from the run's counter (groups/next)."""
     B = 8
     cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8")
-    env["store"].set("cursor", "10")
-    env["store"].set("untrained", "2,5")
+    store, fake = env["store"], env["trainer"]
+    store.add("groups/next", max(0, 10 - int(store.add("groups/next", 0))))
+    first_new = int(store.add("groups/next", 0))
+    fake.epoch += 1  # a restarted trainer
+    store.set(f"redo/{fake.epoch}", "2,5")
     consumed = []
 
     def trainer_fn(pull, st):
-        env["trainer"].send(env["sd"])
+        fake.send(env["sd"])
         for _ in range(2):
             consumed.extend(_pull(pull, B))
-            env["trainer"].send(env["sd"])
+            fake.send(env["sd"])
 
-    try:
-        st, _, rest = _run_loop(env, cfg, trainer_fn)
-    finally:
-        env["store"].set("cursor", "0")
-        env["store"].delete_key("untrained")
+    st, _, rest = _run_loop(env, cfg, trainer_fn)
     groups = {h["group_id"] for h, _ in consumed + rest}
-    assert {2, 5, 10, 11} <= groups and not groups & {0, 1, 3, 4, 6, 7, 8, 9}, sorted(groups)
+    assert {2, 5, first_new, first_new + 1} <= groups, sorted(groups)
+    assert not {g for g in groups if g < first_new} - {2, 5}, sorted(groups)
 
 
 def test_weights_owed_hand_worked():
@@ -602,33 +650,32 @@ def test_conventional_schedule_exact_batches_one_version(env, tmp_path, capsys):
     st, last, rest = _run_loop(env, cfg, trainer, ends_itself=True)
     assert sorted(per_version) == [(last - k * G,) for k in (3, 2, 1, 0)]  # one version per batch
     assert all(len(v) == B * G for v in per_version.values()) and not rest
-    assert st.started == B * G and st.inflight == 0
+    assert st.started - st.consumed == B * G and st.inflight == 0  # the last RL step's, none beyond
     first, line = [dict(kv.split("=", 1) for kv in line.split()[3:])  # "[actor] step N k=v ..."
                    for line in capsys.readouterr().out.splitlines() if line.startswith("[actor] step")]
     assert int(first["updates"]) == 0 and float(first["samples_per_s"]) == 0, first
-    assert int(line["version"]) == last and int(line["updates"]) == st.updates == 3, line  # after the first weights
+    assert int(line["version"]) == last and int(line["updates"]) == st.updates == 4, line  # the group's first too
     assert float(line["pause_s_mean"]) > 0 and float(line["samples_per_s"]) > 0, line
 
 
-def test_heartbeat_before_the_first_sample(env):
-    """The actor's heartbeat and started count (store keys alive/<p>, started/<p>: trainer.waiting_for
-    reads them) are in the store before its first sample arrives, not only after run.log_every: a
-    host that dies right after its first samples is then named as gone silent, not as never heard from
-    (a two-host test met that: its trainer had taken two steps within the first 0.5 s)."""
+def test_heartbeat_from_registration_and_while_generating(env):
+    """The incarnation's heartbeat (alive/<inc>) is in the store when it registers, before any group takes
+    it in (the trainer takes only beating incarnations), and its value changes every run.log_every while
+    the actor generates: weights_sync.WeightServer counts an incarnation lost when it stops changing."""
     cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8",
-                   "run.log_every=3600")
-    for key in ("alive/0", "started/0"):
-        env["store"].delete_key(key)  # an earlier test's actor set them
-    seen = {}
+                   "run.log_every=0.2")
+    seen = []
 
     def trainer_fn(pull, st):
+        seen.append(env["store"].get(f"alive/{st.inc}"))  # registered, not yet sent weights
         env["trainer"].send(env["sd"])
-        _pull(pull, 1)
-        seen.update(alive=env["store"].check(["alive/0"]), started=int(env["store"].add("started/0", 0)))
-        _pull(pull, 7)
+        for _ in range(8):
+            _pull(pull, 1)
+            time.sleep(0.1)
+            seen.append(env["store"].get(f"alive/{st.inc}"))
 
     _run_loop(env, cfg, trainer_fn)
-    assert seen["alive"] and seen["started"] >= cfg.actor.group_size, seen
+    assert len(set(seen)) >= 3, seen
 
 
 def test_the_startup_heap_is_out_of_the_collectors_reach(env):
@@ -678,7 +725,7 @@ def test_dropped_samples_are_given_back_lag_bounded(env):
         for step in range(steps):
             batch = _pull_training(pull, B)
             dropped = [x for x in batch if x[0]["group_id"] == batch[0][0]["group_id"]]
-            env["store"].add("dropped/1", len(dropped))  # what verifier.DropReporter does
+            env["store"].add(f"dropped/{st.inc}/{st.cut}", len(dropped))  # as the verifier does
             batch = [x for x in batch if x not in dropped] + _pull_training(pull, len(dropped))
             lags.extend(int(x) for _, a in batch for x in (v0 + step) - a["versions"])
             env["trainer"].send(env["sd"])
@@ -746,11 +793,17 @@ def test_backpressure_does_not_block_the_loop(env):
     cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=400",
                    "actor.max_tokens=2", "actor.max_inflight=32")  # nothing binds ports.rollouts
     st, stop = actor.ActorState(), asyncio.Event()
-    first, _ = env["trainer"].send_async(env["sd"])  # the actor's first weights, received by run_actor
-    box = {}
+    box, registered = {}, int(env["store"].add("actor/incarnations", 0))
+
+    def first_weights():  # a group takes the actor's new incarnation in, then its first weights
+        while int(env["store"].add("actor/incarnations", 0)) == registered:
+            time.sleep(0.01)
+        env["trainer"].regroup({registered + 1: 1})
+        env["trainer"].send(env["sd"])
 
     async def scenario():
         task = asyncio.ensure_future(actor.run_actor(cfg, [env["engine"]], env["store"], stop, 0, st))
+        await asyncio.to_thread(first_weights)
         while st.pushed < 1000 and not task.done():  # ZMQ's queue is full: the next sends wait
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
@@ -763,27 +816,42 @@ def test_backpressure_does_not_block_the_loop(env):
     th = threading.Thread(target=lambda: env["loop"].run_until_complete(scenario()), daemon=True)
     th.start()
     th.join(timeout=180)
-    first.join(timeout=10)
     assert not th.is_alive(), "the actor's loop is blocked"
     assert st.version == box["version"] and st.pushed < st.started_total  # pushes were still waiting
 
 
-def test_async_send_newest_only_bit_identical(env):
-    """trainer.send_weights with sync.async_send (the default) and a real trainer state: a 'trainer' thread
-    makes a new version every 20 ms (every weight + 1e-3) while the receiver (the actor's update path into
-    the real engine) is slowed on purpose (0.3 s before each update). Every broadcast delivers the version
-    it announces; versions only increase and the newest arrives last (the final send waits, as the
-    conventional schedule's do); intermediate versions are skipped; every received update is bit-identical
-    to the trainer's weights of that version, never a mix of two (a version staged while the previous
-    one is still on the wire would tear it)."""
+def _restore_env_group(env):
+    """The env engine back in a group of the FakeTrainer's (after a test that moved it elsewhere)."""
+    inc = int(env["store"].add("actor/incarnations", 1))
+    env["trainer"].regroup({inc: 1}, join=lambda g: env["loop"].run_until_complete(
+        actor.join_group(env["cfg"], [env["engine"]], g, 1, 2)))
+
+
+def test_weight_server_newest_only_bit_identical(env):
+    """trainer.send_weights with its WeightServer (sync.async_send, the default) and a real trainer state: a
+    'trainer' thread makes a new version every 20 ms (every weight + 1e-3) while the receiver (the engine,
+    an incarnation that beats and joins the server's group as the actor loop would) is slowed on purpose
+    (0.3 s before each update). Every broadcast delivers the version it announces; versions only increase
+    and the newest arrives last (the final send waits, as the conventional schedule's do); intermediate
+    versions are skipped (the group's first weights are the newest copy when it forms); every received
+    update is bit-identical to the trainer's weights of that version, never a mix of two (a version copied while the previous one is still on the wire would tear it)."""
     import hashlib
     import trainer as T
+    store = ws.create_store("127.0.0.1", env["store"].port, False, 60)  # the receiver's own connection
     cfg = common.load_config([f"model.path={env['model_dir']}", f"run.dir={env['tmp']}", "trainer.batch_size=8",
-                              "actor.group_size=4"])
+                              "actor.group_size=4", f"sync.port={store.port}", "run.heartbeat_timeout_s=60"])
     state = T.build_state(cfg, torch.device("cpu"))
-    sender = ws.AsyncSender(env["trainer"].sender)
     v0 = env["trainer"].version + 1
     versions, expected, done = range(v0, v0 + 40), {}, threading.Event()
+    inc = int(store.add("actor/incarnations", 1))
+
+    def beat():
+        beats = ws.create_store("127.0.0.1", store.port, False, 60)
+        while not done.is_set():
+            beats.set(f"alive/{inc}", str(time.time()))
+            time.sleep(0.2)
+    threading.Thread(target=beat, daemon=True).start()
+    server = ws.WeightServer(cfg, epoch=1, version=v0, device=torch.device("cpu"))
 
     def trainer_thread():
         for v in versions:
@@ -793,16 +861,12 @@ def test_async_send_newest_only_bit_identical(env):
                     u.shard.add_(1e-3 if v > v0 else 0.0)
             expected[v] = {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
                            for unit in state.fsdp.full_units(torch.float32) for n, t in unit.items()}
-            T.send_weights(state, sender, cfg, wait=v in (v0, versions[-1]))  # first and last: never skipped
+            T.send_weights(state, server, store, cfg, wait=v in (v0, versions[-1]))  # never skipped
             time.sleep(0.02)
-        sender.close()  # waits for the last broadcast
+        server.close("end")  # after the last broadcast
         done.set()
 
-    # The receiver reads the store on a connection of its own, as the actor's Announcements thread does: a
-    # blocking get on the sender's client would hold that client's lock while the sender thread, between
-    # its two writes of announce(), waits for the same lock (a deadlock until the store's timeout).
-    store = ws.create_store("127.0.0.1", env["store"].port, False, 60)
-    entries, _ = ws.bucket_layout(state.fsdp.manifest(state.fsdp.dtype), env["trainer"].sender.bucket_bytes)
+    entries, _ = ws.bucket_layout(state.fsdp.manifest(state.fsdp.dtype), server.sender.bucket_bytes)
 
     def received_digests(worker):  # name -> sha256 of the bytes the last update delivered (CPU receive buffers)
         return {e["name"]: hashlib.sha256(worker._ws_buffers[e["bucket"]][e["offset"]:e["offset"] + e["nbytes"]]
@@ -810,51 +874,68 @@ def test_async_send_newest_only_bit_identical(env):
 
     async def receiver():
         got, n = [], int(store.add("announced", 0))
-        while not (done.is_set() and int(store.add("announced", 0)) == n):
-            if int(store.add("announced", 0)) == n:
-                await asyncio.sleep(0.01)
-                continue
+        while True:
             n += 1
-            version = int(store.get(f"announce/{n}"))
+            store.wait([f"announce/{n}"])
+            value = store.get(f"announce/{n}").decode()
+            if value.startswith("group "):
+                g = int(value.split()[1])
+                info = json.loads(store.get(f"group/{g}"))
+                if str(inc) in info["members"]:
+                    await actor.join_group(cfg, [env["engine"]], g, info["members"][str(inc)], 2)
+                continue
+            if value == "end":
+                return got
             await asyncio.sleep(0.3)  # a slow receiver: the trainer goes on meanwhile
-            stats, _ = await actor.update_weights([env["engine"]], version, False, 60)
-            got.append((version, stats[0]["version"], (await env["engine"].collective_rpc(received_digests))[0]))
-        return got
+            stats, _ = await actor.update_weights([env["engine"]], int(value), False, 60)
+            got.append((int(value), stats[0]["version"], (await env["engine"].collective_rpc(received_digests))[0]))
 
     th = threading.Thread(target=trainer_thread)
     th.start()
-    got = env["loop"].run_until_complete(receiver())
-    th.join()
+    try:
+        got = env["loop"].run_until_complete(receiver())
+    finally:
+        th.join()
+        _restore_env_group(env)
     env["trainer"].version = versions[-1]
     received = [v for v, _, _ in got]
     assert [v for _, v, _ in got] == received  # each broadcast carries its own version
-    assert received == sorted(set(received)) and received[0] == v0 and received[-1] == versions[-1]
+    # the group forms once the receiver's beat is seen changing: its first weights are the newest copy then
+    assert received == sorted(set(received)) and received[0] >= v0 and received[-1] == versions[-1]
     for version, _, digest in got:
         assert digest == expected[version], version  # bit-identical, not torn
     assert len(received) < len(versions) // 2  # the slow receiver made the trainer skip versions
 
 
 def test_admission_budgets_hand_worked():
-    """admit(): pipeline budget (u_min - v0 + max_lag + 1)*B/P minus what was dropped; conventional quota
-    B*(G - version % G)/P per RL step (a run resumed mid-RL-step finishes that RL step, no extra batch)."""
+    """admit(): pipeline budget (u_min - t + max_lag + 1)*share minus what is outstanding (started, not yet
+    trained on nor given back); conventional quota (G - t % G)*share per RL step (a run resumed
+    mid-RL-step finishes that RL step, no extra batch); share_of splits B in whole groups."""
     def cfg(*kv):
         return common.load_config(["trainer.batch_size=8", "actor.group_size=4", *kv])
     pipe = cfg("actor.max_lag=1")
-    st = actor.ActorState(version=7, first_version=5, started=28)
-    assert actor.admit(pipe, st, 1)  # (7-5+1+1)*8 = 32: 28+4 fits
-    st.started = 32
-    assert not actor.admit(pipe, st, 1)
+    # trained up to version 5 (8 consumed), holding 7: (7-5+1+1)*8 = 32 may be outstanding
+    st = actor.ActorState(version=7, trained=5, consumed=8, started=36, share=8)
+    assert actor.admit(pipe, st)  # 28 outstanding + 4 fits
+    st.started = 40
+    assert not actor.admit(pipe, st)
+    st.consumed = 12  # the trainer took 4 more at the same version
+    assert actor.admit(pipe, st)
     # a group started at version 6 is still running: u_min = 6 -> 24
     st.groups = {0: actor.Group(version=6, left=4, engine=0)}
-    st.started, st.dropped = 24, 4  # 4 of them were dropped: 20 delivered
-    assert actor.admit(pipe, st, 1) and not actor.admit(pipe, st, 2)  # two processes: 12 each
+    st.started, st.dropped, st.consumed = 32, 4, 8  # 4 of them were dropped: 20 outstanding
+    assert actor.admit(pipe, st) and not actor.admit(pipe, actor.ActorState(**{**vars(st), "share": 4}))
     conv = cfg("actor.schedule=conventional", "actor.G_steps=4", "actor.max_lag=3")
-    st = actor.ActorState(version=8, started=28)
-    assert actor.admit(conv, st, 1) and (setattr(st, "started", 32) or not actor.admit(conv, st, 1))
-    st.version, st.started = 10, 12  # resumed at step 10: steps 10 and 11 of the RL step remain, 16 samples
-    assert actor.admit(conv, st, 1) and (setattr(st, "started", 16) or not actor.admit(conv, st, 1))
-    st.dropped, st.dropped_at_update = 6, 2  # 4 dropped since this RL step began
-    assert actor.admit(conv, st, 1)
+    st = actor.ActorState(version=8, trained=8, started=28, share=8)
+    assert actor.admit(conv, st) and (setattr(st, "started", 32) or not actor.admit(conv, st))
+    st = actor.ActorState(version=10, trained=10, started=12, share=8)  # resumed at step 10: 2 steps left
+    assert actor.admit(conv, st) and (setattr(st, "started", 16) or not actor.admit(conv, st))
+    st.dropped = 4
+    assert actor.admit(conv, st)
+    # B = 8 = two groups: one actor takes both, two one each, three: the first two one each
+    assert [actor.share_of(pipe, [7], 7)] == [8]
+    assert [actor.share_of(pipe, [3, 9], i) for i in (3, 9)] == [4, 4]
+    assert [actor.share_of(pipe, [5, 2, 8], i) for i in (2, 5, 8)] == [4, 4, 0]
 
 
 # --- `python actor.py` as a process ---------------------------------------------------------------------
@@ -869,13 +950,15 @@ def test_peer_timeout_names_trainer(tmp_path):
 
 
 @contextlib.contextmanager
-def actor_process(env, tmp_path, cursor, *overrides):
-    """`python actor.py` (max_lag=0, batches of 8 = 2 groups of 4) against this test's store and PULL socket
-    -> (store, pull, proc); its output goes to tmp_path/actor.log. Still running on the way out (a failed test):
-    killed with its process group."""
+def actor_process(env, tmp_path, first_group, *overrides):
+    """`python actor.py` (max_lag=0, batches of 8 = 2 groups of 4) against this test's store, group ids from
+    `first_group` on, and a PULL socket -> (fake trainer, pull, proc); once the actor has registered, the
+    fake trainer forms a group with it. Its output goes to tmp_path/actor.log. Still running on the way out (a
+    failed test): killed with its process group."""
     import zmq
     store = ws.create_store("127.0.0.1", 0, True, 60)
-    store.set("cursor", str(cursor))
+    fake = FakeTrainer(store)
+    store.add("groups/next", first_group)
     rollouts = free_port()
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(common.zmq_addr("127.0.0.1", rollouts))
@@ -888,7 +971,11 @@ def actor_process(env, tmp_path, cursor, *overrides):
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=role_env())
         try:
-            yield store, pull, proc
+            deadline = time.time() + 180  # its engines start, then it registers
+            while not int(store.add("actor/incarnations", 0)) and time.time() < deadline:
+                time.sleep(0.1)
+            fake.regroup({1: 1}, per=common.load_config(list(overrides)).actor.engines)
+            yield fake, pull, proc
         finally:  # still running: a failed test. The whole group: vLLM's engine cores outlive a killed actor.py
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -902,7 +989,7 @@ def test_actor_process_end_to_end(env, tmp_path):
     import psutil
     evals = []
     with actor_process(env, tmp_path, 100, "actor.eval_every=1", "data.test_size=20", "run.log_every=0.5") as (
-            store, pull, proc):
+            fake, pull, proc):
         def pull_training(n):  # evaluation rollouts (eval: true) come on the same socket, for the verifier
             out = []
             while len(out) < n:
@@ -910,11 +997,9 @@ def test_actor_process_end_to_end(env, tmp_path):
                 (evals if h["eval"] else out).append((h, a))
             return out
 
-        pg = ws.init_group(store, 0, 2, "gloo", 120)  # returns once the actor's worker joined
-        sender = ws.WeightSender(store, pg, 1)
-        sender.send(0, iter(env["sd"].items()), manifest(env["sd"]))
+        fake.send(env["sd"], 0)
         first = pull_training(8)  # max_lag=0: exactly one batch before the next version
-        sender.send(1, iter(env["sd"].items()), manifest(env["sd"]))
+        fake.send(env["sd"], 1)
         later = pull_training(8)
         while len(evals) < 20:  # the evaluation at version 0 finishes whatever the version is now
             h, a = _pull(pull, 1, timeout_s=120)[0]
@@ -933,10 +1018,10 @@ def test_actor_process_end_to_end(env, tmp_path):
     assert proc.returncode == 0, out[-3000:]
     time.sleep(1.0)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], out[-3000:]
-    assert sorted({h["group_id"] for h, _ in first}) == [100, 101]  # prompts from the trainer's cursor
+    assert sorted({h["group_id"] for h, _ in first}) == [100, 101]  # ids from the run's counter
     assert sorted({h["group_id"] for h, _ in later}) == [102, 103]
     assert all((a["versions"] == 0).all() for _, a in first) and all((a["versions"] == 1).all() for _, a in later)
-    assert all(h["proc"] == 0 and h["group_size"] == 4 for h, _ in first + later)
+    assert all(h["inc"] == 1 and h["cut"] == 1 and h["group_size"] == 4 for h, _ in first + later)
     v0 = [(h, a) for h, a in evals if h["group_id"] == 0]  # the pass that started at version 0
     assert sorted(h["sample_idx"] for h, _ in v0) == list(range(20)) and {h["group_size"] for h, _ in v0} == {20}
     assert all(len(a["completion_ids"]) > 0 and (a["versions"] >= 0).all() for _, a in v0)
@@ -952,12 +1037,10 @@ def test_two_engines_in_one_actor_process(env, tmp_path):
     once (a GPU node's 4 engines each capture CUDA graphs for minutes): both have started before either
     is up (started one after the other, engine 0 was up before engine 1 started)."""
     import psutil
-    with actor_process(env, tmp_path, 0, "actor.engines=2", "actor.eval_every=0") as (store, pull, proc):
-        pg = ws.init_group(store, 0, 3, "gloo", 180)  # returns once both engines' workers joined
-        sender = ws.WeightSender(store, pg, 1)
+    with actor_process(env, tmp_path, 0, "actor.engines=2", "actor.eval_every=0") as (fake, pull, proc):
         batches = []
         for version in range(3):
-            sender.send(version, iter(env["sd"].items()), manifest(env["sd"]))
+            fake.send(env["sd"], version)
             batches.append(_pull(pull, 8, timeout_s=120))  # max_lag=0: one batch per version
         cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
         proc.send_signal(signal.SIGTERM)

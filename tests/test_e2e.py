@@ -299,65 +299,62 @@ def failures(out) -> list:
     return re.findall(r"\[run.sh\] FAILED: role '(\w+)' exited with code (\d+)", out)
 
 
-@pytest.mark.parametrize("role", ["verifier", "actor"])
-def test_killed_role_stops_everything(tiny_model_dir, tmp_path, role):
-    """SIGKILL one role: run.sh sees that death first and stops the others itself. The one failure
-    it reports is the killed role's, with our signal's exit code (128 + 9); a run.sh that left the
-    others running until one of them noticed (run.peer_timeout_s) would report that one instead."""
+def test_killed_role_stops_everything_without_restarts(tiny_model_dir, tmp_path):
+    """run.max_restarts=0 and SIGKILL the actor: run.sh sees that death first and stops the others itself.
+    The one failure it reports is the killed role's, with our signal's exit code (128 + 9); a run.sh that
+    left the others running until one of them noticed (run.peer_timeout_s) would report that one instead."""
     run_dir = tmp_path / "run"
-    proc = start(short_config(tiny_model_dir, run_dir, **{"trainer.max_steps": 1000}))
+    proc = start(short_config(tiny_model_dir, run_dir, **{"trainer.max_steps": 1000, "run.max_restarts": 0}))
     wait_for(lambda: len(trainer_steps(run_dir)) >= 1, 300, proc, "the first optimizer step")
     procs = _descendants(proc.pid)
-    os.kill(_role_pid(run_dir, role), signal.SIGKILL)
+    os.kill(_role_pid(run_dir, "actor"), signal.SIGKILL)
     rc, out = finish(proc, timeout=60)
-    assert rc != 0 and failures(out) == [(role, "137")], out[-3000:]
+    assert rc != 0 and failures(out) == [("actor", "137")], out[-3000:]
     time.sleep(1)
     alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"orphans: {[(p.pid, p.cmdline()[:3]) for p in alive]}"
 
 
-def test_killed_trainer_then_resume(tiny_model_dir, tmp_path):
-    """SIGKILL the trainer after a checkpoint: run.sh stops everything; resume continues the steps."""
+def test_killed_trainer_restarts_from_its_checkpoint(tiny_model_dir, tmp_path):
+    """SIGKILL the trainer after a checkpoint: run.sh starts it again from that checkpoint (run.resume=true)
+    while the actor keeps its engine (the same process, one engine start), and the run completes. The
+    restarted trainer cuts: no token sampled by a version newer than the one it trains is ever trained (in
+    the timeline that stays: the checkpoint's steps, then the new trainer's), every group id below the
+    checkpoint's last trained one is trained on (those in flight at the checkpoint come first)."""
     run_dir = tmp_path / "run"
-    args = short_config(tiny_model_dir, run_dir, **{"trainer.max_steps": 1000})
+    # long enough that the kill comes mid-run (~8 steps/s here); every checkpoint kept, to read the resumed one's
+    steps = 200
+    args = short_config(tiny_model_dir, run_dir, **{"trainer.max_steps": steps, "trainer.checkpoint_every": 10,
+                                                    "trainer.keep_checkpoints": steps})
     proc = start(args)
-    ckpt = run_dir / "checkpoints" / "step-2" / "COMPLETE"
-    wait_for(ckpt.exists, 300, proc, "checkpoint step-2")
-    procs = _descendants(proc.pid)
+    ckpt = run_dir / "checkpoints" / "step-10" / "COMPLETE"
+    wait_for(ckpt.exists, 300, proc, "checkpoint step-10")
+    actor_pid = _role_pid(run_dir, "actor")
     os.kill(_role_pid(run_dir, "trainer"), signal.SIGKILL)
-    rc, out = finish(proc, timeout=60)
-    # The cause, as above: the trainer's death, reported by torchrun (its launcher, exit code 1)
-    assert rc != 0 and failures(out) == [("trainer", "1")] and "SIGKILL" in out, out[-3000:]
-    time.sleep(1)
-    assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    before = trainer_steps(run_dir)
-    last_ckpt = max(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*")
-                    if (p / "COMPLETE").exists())
-    # resume with the same ports etc. but a finite horizon
-    resume_args = [a for a in args if not a.startswith("trainer.max_steps")] + \
-        [f"trainer.max_steps={last_ckpt + 2}", "run.resume=true"]
-    rc, out = finish(start(resume_args))
-    assert rc == 0, out[-6000:]
-    after = trainer_steps(run_dir)
-    assert after[:len(before)] == before  # metrics appended, not overwritten
-    assert after[len(before)] == last_ckpt + 1 and after[-1] == last_ckpt + 2
-    # Every group id below the checkpoint's last trained one is trained on: those still in flight at the
-    # checkpoint (groups finish out of order) come first after resume, not skipped for good.
+    rc, out = finish(proc, timeout=400)
+    assert rc == 0 and "role 'trainer' exited with code 1; starting it again (1 of" in out, out[-6000:]
+    assert _role_pid(run_dir, "actor") == actor_pid  # the actor was not restarted
+    actor_log = (run_dir / "logs" / "actor.log").read_text()
+    assert actor_log.count("engine 0: up in") == 1, actor_log[-3000:]
+    # the timeline that stays: each trainer's records, the later one replacing the steps it redid
     records = read_jsonl(run_dir / "samples_trainer.jsonl")
-    kept = [r for r in records[:len(before)] if r["step"] <= last_ckpt] + records[len(before):]
+    cut = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    resumed_at = records[cut]["step"] - 1
+    kept = [r for r in records[:cut] if r["step"] <= resumed_at] + records[cut:]
+    assert [r["step"] for r in kept] == list(range(1, steps + 1))
+    lags = [r["trainer_version"] - v for r in kept for runs in r["version_runs"] for v, _ in runs]
+    assert 0 <= min(lags) and max(lags) <= MAX_LAG, (min(lags), max(lags))
     trained = {g for r in kept for g in r["group_ids"]}
-    meta = json.loads((run_dir / "checkpoints" / f"step-{last_ckpt}" / "trainer_state.json").read_text())
-    upto = meta["max_group_id"]
-    print(f"in flight below group {upto} at the checkpoint: {meta['trained_below']}.., "
-          f"{upto + 1 - meta['trained_below'] - len(meta['trained_above'])} groups")
-    assert set(range(upto + 1)) <= trained, sorted(set(range(upto + 1)) - trained)
+    meta = json.loads((run_dir / "checkpoints" / f"step-{resumed_at}" / "trainer_state.json").read_text())
+    assert set(range(meta["max_group_id"] + 1)) <= trained, sorted(set(range(meta["max_group_id"] + 1)) - trained)
 
 
 def test_run_dir_resume_takes_the_newest_run_and_a_used_run_dir_is_refused(tmp_path, monkeypatch):
     """scripts/launch.resolve_run_dir, what run.sh's start-up calls, on a scratch runs/ folder (its
     module's REPO): run.resume=true without run.dir continues the newest run (by modification time,
     not name; a folder without config.yaml is no run), and fails when there is none; a run.dir that
-    holds metrics of this node's roles is refused without run.resume=true and reused with it."""
+    holds metrics of this node's roles is refused without run.resume=true and reused with it, except
+    by a node of actors only (it rejoins the live run)."""
     from common import ConfigError
     from scripts import launch
     monkeypatch.setattr(launch, "REPO", tmp_path)
@@ -383,6 +380,11 @@ def test_run_dir_resume_takes_the_newest_run_and_a_used_run_dir_is_refused(tmp_p
         resolve(f"run.dir={used}")
     assert resolve(f"run.dir={used}", "run.resume=true") == str(used)
     assert resolve(f"run.dir={used}", roles=["actor"]) == str(used)  # an actor-only node's roles
+    (used / "metrics_actor.jsonl").write_text("{}\n")  # an actor node that rejoins the running run
+    assert resolve(f"run.dir={used}", roles=["actor"]) == str(used)
+    with pytest.raises(ConfigError, match=r"already holds a run \(verifier metrics\)"):
+        (used / "metrics_verifier.jsonl").write_text("{}\n")
+        resolve(f"run.dir={used}", roles=["verifier", "actor"])
 
 
 def test_two_nodes_on_loopback(tiny_model_dir, tmp_path):
@@ -396,7 +398,7 @@ def test_two_nodes_on_loopback(tiny_model_dir, tmp_path):
     rc1, out1 = finish(node1, timeout=120)
     assert rc0 == 0, out0[-5000:]
     assert rc1 == 0, out1[-5000:]
-    assert "runs: verifier trainer" in out0 and "runs: actor" in out1
+    assert "runs: store verifier trainer" in out0 and "runs: actor" in out1
     check_run_dir(run_dir)
 
 

@@ -117,8 +117,8 @@ def test_shell_hands_every_role_its_resolved_gpus(tmp_path):
     actor.py splits the same ids among its engines); on a CPU machine nothing changes."""
     run = f"run.dir={tmp_path}/run"
     assert shell_values(launch.shell([run], visible=["0", "1"])) == \
-        ["0", "1", "verifier trainer actor", "actor.gpus=0 trainer.gpus=1"]
-    assert shell_values(launch.shell([run], visible=[])) == ["", "", "verifier trainer actor", ""]
+        ["0", "1", "store verifier trainer actor", "actor.gpus=0 trainer.gpus=1"]
+    assert shell_values(launch.shell([run], visible=[])) == ["", "", "store verifier trainer actor", ""]
     threads = subprocess.run(["bash", "-c", launch.shell([run, "trainer.cpu_cores=0-1,3"], visible=[])
                               + '\necho "${THREADS[verifier]} ${THREADS[trainer]} ${THREADS[actor]}"'],
                              capture_output=True, text=True, check=True).stdout.split()

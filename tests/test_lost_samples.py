@@ -4,7 +4,7 @@ The verifier's side (verifier.State and complete, which number each actor proces
 process with a real ZMQ PUSH socket; two trainer ranks run trainer.pull_samples and trainer.settle_samples in
 processes of their own over a real gloo group; the store is a real TCPStore. Rank 1 drops its connection for
 real: it closes its PULL socket while ZMQ holds samples queued for it, then connects a new one. What never
-arrived must be given back exactly, each to its own actor process (store keys dropped/<proc>), nothing that
+arrived must be given back exactly, each to its own actor incarnation (store keys dropped/<inc>/<cut>), nothing that
 arrived may be, and a restarted trainer must not give back what was sent before it started.
 
 Run: .venv/bin/python -m pytest -q tests/test_lost_samples.py      (~20-40 s on 2 busy cores)
@@ -33,7 +33,8 @@ import weights_sync  # noqa: E402
 from conftest import forkserver, free_port  # noqa: E402
 
 SHARE = 4  # samples a rank pulls per step
-PROCS = 3  # actor processes the groups come from
+PROCS = 3  # actor incarnations the groups come from: 1, 2, 3
+CUT = 1  # every sample's cut, and the trainer's (trainer.pull_samples)
 VOCAB = 64
 
 
@@ -54,7 +55,7 @@ def _rank(rank, world, port, tmp, store_port, samples_port, run, steps, drop_ran
     """One trainer rank: `steps` steps of pull + settle (as trainer.main: settle_samples after each step);
     rank `drop_rank` closes its socket with samples queued after its first pull and connects a new one. Then
     one more pull that is never settled (a trainer stopped between a pull and its settle). Reports to the store
-    (test/received/<run>/<rank>) the (proc, seq) pairs it received, settled and not."""
+    (test/received/<run>/<rank>) the (inc, seq) pairs it received, settled and not."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -66,31 +67,33 @@ def _rank(rank, world, port, tmp, store_port, samples_port, run, steps, drop_ran
     store.add(f"test/connected/{run}", 1)
     report = {"settled": [], "unsettled": [], "queued_at_drop": False}
     for step in range(steps + 1):
-        samples, _ = trainer.pull_samples(sock, SHARE, state, cfg, addr, VOCAB, store)
-        report["settled" if step < steps else "unsettled"] += [[s["proc"], s["seq"]] for s in samples]
+        samples, _ = trainer.pull_samples(sock, SHARE, state, cfg, addr, VOCAB,
+                                          lambda: (set(range(1, PROCS + 1)), CUT))
+        report["settled" if step < steps else "unsettled"] += [[s["inc"], s["seq"]] for s in samples]
         if rank == drop_rank and step == 0:
             report["queued_at_drop"] = sock.poll(30_000) != 0  # more samples wait here: they go with the socket
             sock.close(linger=0)
             sock = _pull_socket(addr)
         if step < steps:
-            trainer.settle_samples(state, samples, store)
+            trainer.settle_samples(state, samples, store, CUT)
     store.set(f"test/received/{run}/{rank}", json.dumps(report))
     sock.close()
     dist.destroy_process_group()
 
 
-def _group(state, group_id, proc):
-    """A complete, scored group of 2 from actor process `proc` -> verifier.complete numbers and encodes its
-    samples."""
+def _group(state, group_id, inc):
+    """A complete, scored group of 2 from actor incarnation `inc` -> verifier.complete numbers and encodes
+    its samples."""
     key, scored = (False, group_id), {}
     for i in range(2):
         header = {"group_id": group_id, "sample_idx": i, "group_size": 2, "task": "arithmetic", "answer": "3",
-                  "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "proc": proc, "eval": False,
+                  "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "inc": inc, "cut": CUT,
+                  "eval": False,
                   "reward": float(i), "status": "correct"}
         arrays = {"prompt_ids": np.array([1, 2], np.int32), "completion_ids": np.array([3, 4, 5], np.int32),
                   "logprobs": np.full(3, -4.0, np.float32), "versions": np.zeros(3, np.int32)}
         scored[i] = (header, arrays)
-    state.open[key] = {"size": 2, "t0": 0.0, "proc": proc, "seen": {0, 1}, "scored": scored}
+    state.open[key] = {"size": 2, "t0": 0.0, "stream": (inc, CUT), "seen": {0, 1}, "scored": scored}
     verifier.complete(state, key)
 
 
@@ -107,11 +110,11 @@ def _run_trainer(vs, push, store, tmp, samples_port, run, steps, drop_rank, grou
     next_group = 0.0
     for _ in range(12):  # a head start: samples queue up for each rank
         gid = next(groups)
-        _group(vs, group_id=gid, proc=gid % PROCS)
+        _group(vs, group_id=gid, inc=gid % PROCS + 1)
     while not ranks.join(timeout=0.005):
         if time.monotonic() >= next_group:
             gid = next(groups)
-            _group(vs, group_id=gid, proc=gid % PROCS)
+            _group(vs, group_id=gid, inc=gid % PROCS + 1)
             next_group = time.monotonic() + 0.02
         while vs.outbox and push.poll(0, zmq.POLLOUT):
             push.send_multipart(vs.outbox.popleft(), zmq.NOBLOCK)
@@ -119,7 +122,7 @@ def _run_trainer(vs, push, store, tmp, samples_port, run, steps, drop_rank, grou
 
 
 def _settled_view(got):
-    """Per actor process, what the trainer's settle_samples saw: the seqs received in settled steps, and the
+    """Per actor incarnation, what the trainer's settle_samples saw: the seqs received in settled steps, and the
     watermark (the lowest of the two ranks' highest settled seq of that process)."""
     received, top = collections.defaultdict(set), collections.defaultdict(lambda: [-1, -1])
     for r in range(2):
@@ -135,9 +138,9 @@ def test_samples_lost_with_a_dropped_connection_are_given_back(tmp_path):
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.bind(common.zmq_addr("127.0.0.1", samples_port))
-    vs = verifier.State(make_cfg(tmp_path, store.port, samples_port))
+    vs = verifier.State(make_cfg(tmp_path, store.port, samples_port), store)
     groups = itertools.count()
-    dropped = lambda: [int(store.add(f"dropped/{p}", 0)) for p in range(PROCS)]  # noqa: E731
+    dropped = lambda: [int(store.add(f"dropped/{p}/{CUT}", 0)) for p in range(1, PROCS + 1)]  # noqa: E731
     try:
         # --- run 1: rank 1's connection drops with samples queued for it ---
         got = _run_trainer(vs, push, store, tmp_path, samples_port, 1, steps=6, drop_rank=1, groups=groups)
@@ -149,7 +152,7 @@ def test_samples_lost_with_a_dropped_connection_are_given_back(tmp_path):
         assert sum(map(len, lost.values())), f"no sample was lost: {sorted(arrived)}"
         assert not [(p, s) for p, seqs in lost.items() for s in seqs if (p, s) in arrived]  # FIFO: truly lost
         # exactly the lost ones went back, each to its own actor process; nothing that arrived did
-        assert dropped() == [len(lost.get(p, ())) for p in range(PROCS)], (lost, dropped())
+        assert dropped() == [len(lost.get(p, ())) for p in range(1, PROCS + 1)], (lost, dropped())
 
         # --- run 2: a restarted trainer (new ranks, new group) judges only from its first sample of each
         # process: what was sent before it (including what run 1 pulled last and never settled, and what was
@@ -170,10 +173,10 @@ def test_settle_judges_each_process_from_its_first_seq_received(tmp_path):
     each later time from the last watermark; a gap is given back once, to its own process."""
     store = weights_sync.create_store("127.0.0.1", 0, True, 60)
     state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=torch.device("cpu")))
-    dropped = lambda: [int(store.add(f"dropped/{p}", 0)) for p in range(PROCS)]  # noqa: E731
+    dropped = lambda: [int(store.add(f"dropped/{p}/{CUT}", 0)) for p in range(PROCS)]  # noqa: E731
 
     def settle(*pairs):
-        trainer.settle_samples(state, [{"proc": p, "seq": s} for p, s in pairs], store)
+        trainer.settle_samples(state, [{"inc": p, "cut": CUT, "seq": s} for p, s in pairs], store, CUT)
     settle((0, 10), (0, 12), (0, 13), (1, 5))  # 0-9 of process 0, 0-4 of process 1: sent before this trainer
     assert dropped() == [1, 0, 0]  # process 0's 11
     settle((0, 16), (1, 8), (0, 17))

@@ -5,7 +5,8 @@ head_dim 32: the smallest vLLM's CPU attention takes; 2 layers; the char tokeniz
 Qwen2 tied and untied, Llama tied (its checkpoint also keeps a redundant copy of the tied head, as
 fine-tuning tools often write; vLLM and HF then both re-tie it), Qwen3 tied.
 
-A tied lm_head left stale in vLLM (weights_sync.refresh_tied_heads not called) fails every tied case here.
+A head left packed at its initial weights in vLLM (weights_sync.unpack_cpu_weights not pointing it at the
+Parameter) fails every case here, tied or not.
 
 Run: .venv/bin/python -m pytest -q tests/test_models.py      (~2.5-3 min on 2 cores: one engine per model,
 started and shut down in turn)
@@ -101,7 +102,6 @@ def test_trainer_step_reaches_vllm(tmp_path, family, tied, redundant_head):
     from vllm import SamplingParams
     model_dir = build_model(tmp_path / "model", family, tied, redundant_head)
     store = ws.create_store("127.0.0.1", 0, True, 60)  # port 0: the OS picks a free one
-    store.set("cursor", "0")
     cfg = common.load_config([
         f"model.path={model_dir}", f"run.dir={tmp_path}", f"sync.port={store.port}", "sync.timeout_s=60",
         f"ports.rollouts={free_port()}", f"ports.samples={free_port()}", "actor.max_inflight=8",
@@ -113,9 +113,10 @@ def test_trainer_step_reaches_vllm(tmp_path, family, tied, redundant_head):
     try:
         # --- the weight group: this thread is trainer rank 0, the engine's worker rank 1 ---
         box = {}
-        th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, cfg.weight_world, "gloo", 60)))
+        th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 60, "weights/1")))
         th.start()
-        run(loop, actor.join_weight_group(cfg, [engine]))
+        run(loop, actor.init_sync(cfg, [engine]))
+        run(loop, actor.join_group(cfg, [engine], 1, 1, 2))
         th.join()
 
         # --- one real optimizer step, as trainer.py takes it (1 rank, no process group) ---
@@ -130,7 +131,8 @@ def test_trainer_step_reaches_vllm(tmp_path, family, tied, redundant_head):
 
         # --- the new weights into the running engine: the actor's in-flight update path ---
         sender = ws.WeightSender(store, box["pg"], cfg.sync.bucket_mb)
-        th = threading.Thread(target=trainer.send_weights, args=(state, sender, cfg))
+        named = ((n, t) for u in state.fsdp.full_units(state.fsdp.dtype) for n, t in u.items())
+        th = threading.Thread(target=sender.send, args=(state.step, named, state.fsdp.manifest(state.fsdp.dtype)))
         th.start()
         stats, _ = run(loop, actor.update_weights([engine], state.step, False, 60))
         th.join()

@@ -2,8 +2,8 @@
 (10.77.0.1 = node 0: trainer + verifier, 10.77.0.2 = node 1: actor), `bash run.sh` in each with
 NNODES=2 MASTER_ADDR=10.77.0.1: nothing is reachable on loopback across them, and each has its own
 interface, so a socket bound to the wrong address or gloo advertising the wrong interface fails here
-(on one machine's loopback it cannot). Also: node 1 dying half-way (its link down, then every process in
-its namespace killed: no RST reaches node 0, as with a dead host), and scripts/slurm_node.sh's mapping of
+(on one machine's loopback it cannot). Also: node 1's link cut half-way (no RST reaches node 0, as with a
+dead host) and restored: the actor comes back into the run; and scripts/slurm_node.sh's mapping of
 SLURM's variables (called directly: there is no srun here). Without namespaces: a MASTER_ADDR that is not
 node 0's own fails before any process starts; scripts/slurm.sbatch hands srun node 0's address and one run.dir
 (stand-ins for scontrol and srun print what they are given).
@@ -12,7 +12,6 @@ The namespace tests need root and iproute2 (`ip netns`); skipped otherwise, with
 Run: bash run.sh test tests/test_multihost.py      (about 2 minutes on 2 shared cores)
 """
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -135,7 +134,7 @@ def test_two_hosts(tiny_model_dir, tmp_path, hosts):
     rc1, out1 = finish(node1, 120)
     assert rc0 == 0, out0[-5000:] + logs(run_dir)
     assert rc1 == 0, out1[-5000:] + logs(run_dir)
-    assert "node 0/2 runs: verifier trainer" in out0 and "node 1/2 runs: actor" in out1
+    assert "node 0/2 runs: store verifier trainer" in out0 and "node 1/2 runs: actor" in out1
     assert f"GLOO_SOCKET_IFNAME={hosts['dev'][0]}" in out0 and f"GLOO_SOCKET_IFNAME={hosts['dev'][1]}" in out1
     assert trainer_steps(run_dir)[-1] == 4
     check_run_dir(run_dir)  # as test_e2e's loopback test: per-token versions over the veth, lag bound, checkpoint
@@ -175,15 +174,16 @@ def test_sbatch_hands_srun_master_addr_and_one_run_dir(tmp_path):
     assert r.stdout.strip().endswith("slurm_node.sh run.dir=/shared/exp1") and "MASTER_ADDR=10.0.0.7 " in r.stdout
 
 
-def test_slurm_nodes_then_dead_actor_host(tiny_model_dir, tmp_path, hosts):
+def test_slurm_nodes_then_the_actor_hosts_link_cut_and_restored(tiny_model_dir, tmp_path, hosts):
     """Both nodes started as srun would start scripts/slurm.sbatch's tasks (scripts/slurm_node.sh, called
-    directly) and run across the veth; then node 1 goes silent half-way (link down first, so that no RST or FIN
-    reaches node 0, as with a dead host, then every process in its namespace killed): node 0 stops
-    by itself, and for that cause: its trainer, without a sample for run.peer_timeout_s, exits
-    naming the lost actor, whose heartbeat went silent. (One run for both: ~2 minutes each here.)"""
-    run_dir, peer_timeout = tmp_path / "run", 20
-    args = config(tiny_model_dir, run_dir, **{"trainer.max_steps": 1000, "run.peer_timeout_s": peer_timeout,
-                                                    "sync.timeout_s": 120})
+    directly) and run across the veth; then node 1's link goes down (no RST or FIN reaches node 0, as with a
+    dead host) for longer than run.heartbeat_timeout_s, and comes back. Node 0's trainer counts the actor
+    lost, shuts its weight group down, and waits for an actor, saying so; once the link is back, the actor
+    (still running: its engine was never restarted) finds itself out of the group, comes back as a new
+    incarnation, is taken in, and the run goes to its last step on both nodes."""
+    run_dir = tmp_path / "run"
+    args = config(tiny_model_dir, run_dir, **{"trainer.max_steps": 12, "run.peer_timeout_s": 120,
+                                              "run.heartbeat_timeout_s": 3, "sync.timeout_s": 120})
     slurm_node = ("bash", "scripts/slurm_node.sh")
     node0 = start_node(hosts["ns"][0], args, slurm_env(0), slurm_node)
     node1 = start_node(hosts["ns"][1], args, slurm_env(1), slurm_node)
@@ -193,19 +193,23 @@ def test_slurm_nodes_then_dead_actor_host(tiny_model_dir, tmp_path, hosts):
             node0.communicate()[0][-3000:] if node0.poll() is not None else logs(run_dir)
         time.sleep(0.5)
     _ip("-n", hosts["ns"][1], "link", "set", hosts["dev"][1], "down")
-    _kill_all(hosts["ns"][1])
-    rc0, out0 = finish(node0, peer_timeout + 60)  # a guard against a hang: the cause is asserted
-    out1 = node1.communicate()[0]
-    assert "node 0/2 runs: verifier trainer" in out0 and "node 1/2 runs: actor" in out1, out0[-3000:] + out1[-3000:]
-    # The first and only failure node 0's run.sh reports is the trainer's, and the trainer's reason
-    # is its run.peer_timeout_s wait for samples (not, e.g., a gloo error on a weight broadcast),
-    # naming the actor whose heartbeat stopped.
-    failed = re.findall(r"FAILED: role '(\w+)'", out0)
-    assert rc0 != 0 and failed == ["trainer"], out0[-5000:]
-    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
-    waited = rf"no sample from the verifier at \S+ for {peer_timeout} s \(run.peer_timeout_s\)"
-    cause = re.search(waited + r".*lost actor process 0 on \S+ \(silent for \d+ s\)", trainer_log)
-    assert cause, trainer_log[-5000:]
+    trainer_log = run_dir / "logs" / "trainer.log"
+    while "no actor in the weight group" not in trainer_log.read_text():
+        assert node0.poll() is None and time.time() < deadline, logs(run_dir)
+        time.sleep(0.5)
+    steps_while_cut = len(trainer_steps(run_dir))
+    _ip("-n", hosts["ns"][1], "link", "set", hosts["dev"][1], "up")
+    rc0, out0 = finish(node0, 300)
+    rc1, out1 = finish(node1, 120)
+    assert rc0 == 0, out0[-5000:] + logs(run_dir)
+    assert rc1 == 0, out1[-5000:] + logs(run_dir)
+    assert "node 0/2 runs: store verifier trainer" in out0 and "node 1/2 runs: actor" in out1
+    log = trainer_log.read_text()
+    assert "actor incarnation 1 lost: no heartbeat for 3 s" in log, log[-3000:]
+    assert trainer_steps(run_dir)[-1] == 12 > steps_while_cut
+    actor_log = (run_dir / "logs" / "actor.log").read_text()
+    assert "incarnation 2, waiting for a weight group" in actor_log, actor_log[-3000:]
+    assert actor_log.count("engine 0: up in") == 1 and "starting it again" not in out1  # the same engines
     time.sleep(1)
     left = _ip("netns", "pids", hosts["ns"][0]).split()
     assert not left, f"orphans on node 0: {left}"

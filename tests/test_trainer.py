@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 import common  # noqa: E402
 import loss  # noqa: E402
 import trainer  # noqa: E402
-from conftest import forkserver, free_port, read_jsonl, receive_weights  # noqa: E402
+from conftest import FakeActor, forkserver, free_port, read_jsonl, receive_weights  # noqa: E402
 
 torch.set_num_threads(1)
 LR, WD, TEMP, CLIP = 1e-3, 0.1, 0.7, 1.0
@@ -369,37 +369,38 @@ def test_gpu_check_runs_in_smoke_mode(tmp_path):
 def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
     import weights_sync as ws
     torch.set_num_threads(1)
-    if rank == 2:  # the actor's side: joins the weight group as rank 1
-        store = ws.create_store("127.0.0.1", sync_port, False, 60)
-        pg = ws.init_group(store, 1, 2, "gloo", 60)
-        got = [receive_weights(pg) for _ in range(2)]
-        torch.save({"got": got, "cursor": store.get("cursor").decode()}, Path(tmp) / "receiver.pt")
+    if rank == 2:  # the actor's side: joins the weight group, takes two versions
+        actor = FakeActor(sync_port)
+        actor.done.wait(120)
+        torch.save({"got": actor.updates, "error": repr(actor.error)}, Path(tmp) / "receiver.pt")
         return
     _init(rank, 2, port)
-    cfg = make_cfg(tmp, 2)
+    cfg = make_cfg(tmp, 2, **{"sync.port": sync_port, "sync.async_send": False})
     state = trainer.build_state(cfg, CPU, model=tiny_model())
-    sender = None
-    if trainer.is_main():  # sync.async_send (the default): the broadcast runs in the AsyncSender's thread
-        store = ws.create_store("127.0.0.1", sync_port, True, 60)
-        store.set("cursor", "7")
-        sender = ws.AsyncSender(ws.WeightSender(store, ws.init_group(store, 0, 2, "gloo", 60), bucket_mb=0.01))
-    trainer.send_weights(state, sender, cfg, wait=True)
+    store, server = ws.create_store("127.0.0.1", sync_port, False, 60), None
+    if trainer.is_main():  # the broadcast runs in the WeightServer's thread
+        server = ws.WeightServer(cfg, epoch=1, version=0, device=CPU)
+        while not server.members:  # the actor in the group: it gets both versions
+            time.sleep(0.05)
+    trainer.send_weights(state, server, store, cfg, wait=True)
     trainer.train_step(state, _share(batch, 2, rank), cfg)
-    trainer.send_weights(state, sender, cfg, wait=True)
+    trainer.send_weights(state, server, store, cfg, wait=True)
     params = full_params(state)
     if trainer.is_main():
-        sender.close()
+        server.close("done")
         torch.save(params, Path(tmp) / "trainer.pt")
     dist.destroy_process_group()
 
 
 def test_broadcast_receiver_gets_trainer_weights(tmp_path):
-    spawn(_broadcast_worker, 3, str(tmp_path), free_port(), make_batch(12, 0, seed=0))
+    import weights_sync as ws
+    store = ws.create_store("127.0.0.1", 0, True, 60)  # the run's store (weights_sync.serve_store)
+    spawn(_broadcast_worker, 3, str(tmp_path), store.port, make_batch(12, 0, seed=0))
     rec = torch.load(tmp_path / "receiver.pt", weights_only=False)
     params = torch.load(tmp_path / "trainer.pt", weights_only=False)
     init = dict(tiny_model().named_parameters())
     (v0, w0), (v1, w1) = rec["got"]
-    assert (v0, v1, rec["cursor"]) == (0, 1, "7")
+    assert (v0, v1) == (0, 1), rec["error"]
     assert list(w1) == list(params)  # same names, manifest order
     for name, p in params.items():
         assert w1[name].dtype == torch.float32 and torch.equal(w1[name], p), name  # bitwise: the checksum is the bytes
@@ -475,11 +476,12 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
 
 # --- main() against a fake verifier and a fake actor ---------------------------------------------------------------
 
-def _sample_frames(i, version, vocab=64, bad=False, advantage=None):
+def _sample_frames(i, version, vocab=64, bad=False, advantage=None, inc=1, cut=1):
     rng = np.random.default_rng(i)
     P, C = int(rng.integers(1, 6)), int(rng.integers(1, 10))
     header = {"group_id": i // 2, "sample_idx": i % 2, "group_size": 2, "task": "arithmetic", "answer": "3",
-              "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "proc": 0, "eval": False, "reward": float(i % 2), "status": "correct",
+              "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "inc": inc, "cut": cut, "eval": False,
+              "reward": float(i % 2), "status": "correct",
               "advantage": float(i % 2) - 0.5 if advantage is None else advantage, "seq": i}
     arrays = {"prompt_ids": rng.integers(0, vocab, P).astype(np.int32),
               "completion_ids": rng.integers(0, vocab, C).astype(np.int32),
@@ -487,17 +489,6 @@ def _sample_frames(i, version, vocab=64, bad=False, advantage=None):
     if bad:
         arrays["versions"] = arrays["versions"][:-1] if C > 1 else np.zeros(3, np.int32)
     return common.encode(header, arrays)
-
-
-def _fake_actor(sync_port, versions, out):
-    import weights_sync as ws
-    store = ws.create_store("127.0.0.1", sync_port, False, 60)
-    pg = ws.init_group(store, 1, 2, "gloo", 60)
-    out["cursor"] = store.get("cursor").decode()
-    for _ in range(versions):
-        out.setdefault("versions", []).append(receive_weights(pg)[0])
-    store.wait([f"announce/{versions + 1}"], timedelta(seconds=60))  # "done"; as actor.py: tell the trainer it was
-    store.add("done_ack", 1)  # seen, so that it need not keep its store up for another 30 s
 
 
 def _launch(tmp, model_dir, ranks, sync_port, samples_port, *extra):
@@ -514,8 +505,10 @@ def _launch(tmp, model_dir, ranks, sync_port, samples_port, *extra):
 def test_main_loop_with_fake_verifier_and_actor(tmp_path):
     """torchrun, 2 ranks, 3 steps: version 0..3 reach the actor, a malformed sample is counted, metrics and
     samples_trainer.jsonl are written, the final checkpoint exists; then a resume to step 4 continues the
-    version and sets the cursor after the last trained group (1 rank: optimizer shards re-cut)."""
+    version, lists the groups to do again and starts the group counter after the last trained group (1 rank:
+    optimizer shards re-cut). Samples of another incarnation or cut are discarded and counted."""
     import zmq
+    import weights_sync as ws
     model_dir = tmp_path / "model"
     tiny_model().save_pretrained(model_dir)
     samples_port = free_port()
@@ -524,67 +517,82 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
     push.bind(f"tcp://127.0.0.1:{samples_port}")
     sent = {"n": 0}
 
-    def verifier(stop):
+    def verifier(stop, actor):
+        while actor.cut is None and not stop.is_set():  # samples come from a member of the group
+            time.sleep(0.05)
         while not stop.is_set():
             try:  # non-blocking: a trainer that exits between poll and send would block a plain send forever
-                push.send_multipart(_sample_frames(sent["n"], 0, bad=sent["n"] == 3), flags=zmq.NOBLOCK)
+                n = sent["n"]  # one of another incarnation, one of an older cut: discarded
+                frames = _sample_frames(n, 0, bad=n == 3, inc=actor.inc + (n == 5), cut=actor.cut - (n == 6))
+                push.send_multipart(frames, flags=zmq.NOBLOCK)
                 sent["n"] += 1
             except zmq.Again:
                 time.sleep(0.05)
 
-    def run(ranks, versions, *extra):
-        sync_port, actor, stop = free_port(), {}, threading.Event()
-        proc = _launch(tmp_path, model_dir, ranks, sync_port, samples_port, *extra)
-        threads = [threading.Thread(target=_fake_actor, args=(sync_port, versions, actor), daemon=True),
-                   threading.Thread(target=verifier, args=(stop,), daemon=True)]
-        for t in threads:
-            t.start()
+    def run(ranks, *extra):
+        store, stop = ws.create_store("127.0.0.1", 0, True, 60), threading.Event()  # the run's store
+        proc = _launch(tmp_path, model_dir, ranks, store.port, samples_port, *extra)
+        actor = FakeActor(store.port)
+        th = threading.Thread(target=verifier, args=(stop, actor), daemon=True)
+        th.start()
         out, _ = proc.communicate(timeout=150)
         stop.set()
-        for t in threads:
-            t.join(timeout=30)
+        th.join(timeout=30)
+        actor.done.wait(30)
         assert proc.returncode == 0, out
-        return actor, out
+        return actor, store, out
 
-    actor, out = run(2, 4, "trainer.max_steps=3", "sync.async_send=false")  # every version, in order
-    assert actor == {"cursor": "0", "versions": [0, 1, 2, 3]}, out
+    actor, store, out = run(2, "trainer.max_steps=3", "sync.async_send=false")  # every version, in order
+    assert actor.versions == [0, 1, 2, 3] and actor.error is None, out
+    assert (store.get("redo/1"), int(store.add("groups/next", 0))) == (b"", 0)
     recs = [r for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
     keys = {"trainer/ess", "trainer/kl", "trainer/clamp_frac", "trainer/lag_mean", "trainer/tokens_per_s",
             "trainer/wait_s", "trainer/broadcast_s", "trainer/kl_lag_2", "trainer/tokens_lag_2",
             "trainer/lag_by_position"}
     assert keys <= set(recs[-1]) and recs[-1]["trainer/malformed"] == 1 and recs[1]["trainer/lag_max"] == 1
+    assert recs[-1]["trainer/discarded"] == 2  # samples 5 and 6, on whichever ranks
     rows = read_jsonl(tmp_path / "samples_trainer.jsonl")
     assert [r["trainer_version"] for r in rows] == [0, 1, 2] and len(rows[0]["group_ids"]) == 2  # rank 0's share
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-3"]
-    max_group = json.loads((tmp_path / "checkpoints/step-3/trainer_state.json").read_text())["max_group_id"]
+    state = json.loads((tmp_path / "checkpoints/step-3/trainer_state.json").read_text())
+    untrained = [g for g in range(state["trained_below"], state["max_group_id"] + 1)
+                 if g not in state["trained_above"]]
 
-    actor, out = run(1, 2, "trainer.max_steps=4", "run.resume=true", "sync.async_send=false")
-    assert actor == {"cursor": str(max_group + 1), "versions": [3, 4]}, out
+    actor, store, out = run(1, "trainer.max_steps=4", "run.resume=true", "sync.async_send=false")
+    assert actor.versions == [3, 4], out
+    assert store.get("redo/1").decode() == ",".join(map(str, untrained))
+    assert int(store.add("groups/next", 0)) == state["max_group_id"] + 1
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r][-1] == 4
 
     push.close()
 
 
 def _model_and_verifier(tmp_path):
-    """A tiny model directory, two free ports and the verifier's bound PUSH socket (with its stop event)."""
+    """A tiny model directory, the run's store (hosted here), a free port and the verifier's bound PUSH
+    socket (with its stop event)."""
     import zmq
+    import weights_sync as ws
     model_dir = tmp_path / "model"
     tiny_model().save_pretrained(model_dir)
-    samples_port, sync_port = free_port(), free_port()
+    samples_port, store = free_port(), ws.create_store("127.0.0.1", 0, True, 60)
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.bind(f"tcp://127.0.0.1:{samples_port}")
-    return model_dir, samples_port, sync_port, push, threading.Event()
+    return model_dir, samples_port, store, push, threading.Event()
 
 
-def _push_samples(push, stop, advantage_of):
-    """Push samples 0, 1, ... (sample i with advantage advantage_of(i); None: the default) until `stop`."""
+def _push_samples(push, stop, advantage_of, actor):
+    """Push samples 0, 1, ... of `actor`'s incarnation and cut (sample i with advantage advantage_of(i); None:
+    the default), from when it is in a group until `stop`."""
     import zmq
+    while actor.cut is None and not stop.is_set():
+        time.sleep(0.05)
     i = 0
     while not stop.is_set():
         try:
-            push.send_multipart(_sample_frames(i, 0, advantage=advantage_of(i)), flags=zmq.NOBLOCK)
+            frames = _sample_frames(i, 0, advantage=advantage_of(i), inc=actor.inc, cut=actor.cut)
+            push.send_multipart(frames, flags=zmq.NOBLOCK)
             i += 1
         except zmq.Again:
             time.sleep(0.05)
@@ -597,18 +605,13 @@ def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_pa
     actor could not start step 3's samples on version 1 (trainer.weights_owed): version 2 is sent before
     them. A sample with a NaN advantage is dropped as malformed and counted (the wire format refuses
     non-finite numbers)."""
-    model_dir, samples_port, sync_port, push, stop = _model_and_verifier(tmp_path)
-    actor = {}
-
-    def verifier():
-        _push_samples(push, stop, lambda i: 3e38 if 4 <= i < 8 else float("nan") if i == 9 else None)
-
-    proc = _launch(tmp_path, model_dir, 1, sync_port, samples_port, "trainer.max_steps=3", "sync.async_send=false",
-                   f"actor.max_lag={max_lag}")
-    threads = [threading.Thread(target=_fake_actor, args=(sync_port, len(versions), actor), daemon=True),
-               threading.Thread(target=verifier, daemon=True)]
-    for t in threads:
-        t.start()
+    model_dir, samples_port, store, push, stop = _model_and_verifier(tmp_path)
+    proc = _launch(tmp_path, model_dir, 1, store.port, samples_port, "trainer.max_steps=3",
+                   "sync.async_send=false", f"actor.max_lag={max_lag}")
+    actor = FakeActor(store.port)
+    advantage = lambda i: 3e38 if 4 <= i < 8 else float("nan") if i == 9 else None  # noqa: E731
+    th = threading.Thread(target=_push_samples, args=(push, stop, advantage, actor), daemon=True)
+    th.start()
     out, _ = proc.communicate(timeout=150)
     stop.set()
     push.close()
@@ -616,8 +619,8 @@ def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_pa
     recs = [r for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
     assert [r["trainer/step_skipped"] for r in recs] == [0, 1, 0] and recs[-1]["trainer/skipped_steps"] == 1
     assert recs[-1]["trainer/malformed"] == 1
-    threads[0].join(timeout=30)
-    assert actor["versions"] == versions, out
+    actor.done.wait(30)
+    assert actor.versions == versions, out
 
 
 def test_untrained_groups_below_the_last_trained_one():
@@ -637,25 +640,21 @@ def test_untrained_groups_below_the_last_trained_one():
 
 def _dying_actor(sync_port):
     """Joins the weight group, takes version 0, then dies without a word (os._exit: no clean shutdown)."""
-    import weights_sync as ws
-    pg = ws.init_group(ws.create_store("127.0.0.1", sync_port, False, 60), 1, 2, "gloo", 60)
-    receive_weights(pg)
+    actor = FakeActor(sync_port)
+    while not actor.updates and not actor.done.is_set():
+        time.sleep(0.01)
     os._exit(0)
 
 
-def test_dead_receiver_stops_the_trainer_with_a_clear_error(tmp_path):
-    """sync.async_send: the broadcast thread's failure (its receiver died) stops the training loop at its next
-    send, non-zero and naming the weight broadcast, instead of hanging."""
-    model_dir, samples_port, sync_port, push, stop = _model_and_verifier(tmp_path)
-
-    def verifier():
-        _push_samples(push, stop, lambda i: None)
-
-    proc = _launch(tmp_path, model_dir, 1, sync_port, samples_port, "trainer.max_steps=200", "sync.timeout_s=30")
-    dying = mp.get_context("spawn").Process(target=_dying_actor, args=(sync_port,))
+def test_a_lost_actor_leaves_the_group_and_the_trainer_waits_for_another(tmp_path):
+    """Its only actor dies after version 0: the trainer counts it lost (its heartbeat stops, or the next
+    broadcast fails), forms a group without it, and waits up to run.peer_timeout_s for an actor to join,
+    saying so; then it stops, non-zero, naming what it waited for."""
+    model_dir, samples_port, store, push, stop = _model_and_verifier(tmp_path)
+    proc = _launch(tmp_path, model_dir, 1, store.port, samples_port, "trainer.max_steps=200",
+                   "run.peer_timeout_s=10", "run.heartbeat_timeout_s=2")
+    dying = mp.get_context("spawn").Process(target=_dying_actor, args=(store.port,))
     dying.start()
-    th = threading.Thread(target=verifier, daemon=True)
-    th.start()
     try:
         out, _ = proc.communicate(timeout=180)
     finally:
@@ -664,39 +663,32 @@ def test_dead_receiver_stops_the_trainer_with_a_clear_error(tmp_path):
         push.close()
     dying.join(timeout=10)
     assert proc.returncode != 0, out[-3000:]
-    assert "the weight broadcast to the actors failed" in out, out[-3000:]
+    assert "actor incarnation 1 lost" in out or "forming a new one" in out, out[-3000:]
+    assert "no actor in the weight group: waiting up to 10 s (run.peer_timeout_s)" in out, out[-3000:]
+    assert "no actor has been alive" in out, out[-3000:]
     assert '"trainer/done"' not in (tmp_path / "metrics_trainer.jsonl").read_text()
 
 
-def test_waiting_for_names_started_and_dropped(tmp_path):
-    """A run that truly lacks samples says what it waits for, from the store's counters (not only
-    "is verifier.py running?")."""
+def test_membership_follows_heartbeats_judged_by_this_hosts_clock(tmp_path):
+    """An actor's heartbeat carries its host's clock, which may be skewed: a WeightServer judges silence
+    from when the beat last changed, here. An hour-behind clock that keeps beating stays in the group; one
+    that stops beating (its clock an hour ahead) leaves it after run.heartbeat_timeout_s."""
     import weights_sync as ws
-    store = ws.create_store("127.0.0.1", 0, True, 10)
-    store.add("started/0", 40)
-    store.add("dropped/0", 8)
-    state = trainer.TrainState(model=None, fsdp=None, step=3)
-    msg = trainer.waiting_for(store, make_cfg(tmp_path, batch_size=8), state)
-    assert "started 40 samples, 8 were dropped" in msg and "32 can reach the trainer, which consumed 24" in msg
-
-
-def test_silent_actor_is_judged_by_this_hosts_clock(tmp_path):
-    """An actor's heartbeat carries its host's clock, which may be skewed: silence is measured here, from
-    when the heartbeat last changed. An hour-behind clock that keeps beating is alive; a dead actor whose
-    clock was ahead is silent."""
-    import weights_sync as ws
-    store = ws.create_store("127.0.0.1", 0, True, 10)
-    cfg = make_cfg(tmp_path, batch_size=8, **{"run.peer_timeout_s": 2.0})
-    state = trainer.TrainState(model=None, fsdp=None, step=3)
-    store.set("alive/0", f"{time.time() - 3600:.1f} behind")  # alive, clock an hour behind
-    trainer.watch_actors(store, cfg, state)
-    time.sleep(1.5)
-    store.set("alive/0", f"{time.time() - 3600:.1f} behind")  # it beats again
-    assert "silent" not in trainer.waiting_for(store, cfg, state)
-    store.set("alive/0", f"{time.time() + 3600:.1f} ahead")  # its last beat, then it dies
-    trainer.watch_actors(store, cfg, state)
-    time.sleep(1.5)
-    assert "actor process 0 on ahead (silent for" in trainer.waiting_for(store, cfg, state)
+    store = ws.create_store("127.0.0.1", 0, True, 30)
+    cfg = make_cfg(tmp_path, **{"sync.port": store.port, "run.heartbeat_timeout_s": 2.0})
+    behind, ahead = FakeActor(store.port, clock_skew_s=-3600), FakeActor(store.port, clock_skew_s=3600)
+    server = ws.WeightServer(cfg, epoch=1, version=0, device=CPU)
+    deadline = time.time() + 30
+    while set(server.members) != {behind.inc, ahead.inc} and time.time() < deadline:
+        time.sleep(0.1)
+    assert set(server.members) == {behind.inc, ahead.inc}
+    ahead.done.set()  # its beats stop
+    while set(server.members) != {behind.inc} and time.time() < deadline:
+        time.sleep(0.1)
+    assert set(server.members) == {behind.inc}
+    time.sleep(3)  # longer than the timeout: the one that beats, whatever its clock, stays
+    assert set(server.members) == {behind.inc}
+    server.close("done")
 
 
 def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
@@ -707,9 +699,9 @@ def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     state = trainer.TrainState(model=None, fsdp=None)
-    store = ws.create_store("127.0.0.1", 0, True, 10)
     with pytest.raises(SystemExit) as e:
-        trainer.pull_samples(sock, 1, state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64, store)
+        trainer.pull_samples(sock, 1, state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64,
+                             lambda: (set(), None))
     sock.close()
     msg = str(e.value.code)
     assert addr in msg and "run.peer_timeout_s" in msg and "is verifier.py running" in msg

@@ -205,12 +205,19 @@ def tokenizer_dir(tmp_path_factory):
     return str(d), tok
 
 
+STORES = []  # the stores of this module's verifiers, kept up while it runs
+
+
 def start_verifier(run_dir, model_dir, *overrides, store=None):
-    """verifier.py between real sockets; `store`: the trainer's store, where it reports dropped samples."""
+    """verifier.py between real sockets; `store`: the run's store (it counts itself there and reports
+    dropped samples), else a store of its own."""
+    if store is None:
+        store = trainer_store()
+        STORES.append(store)
     ports = {"rollouts": free_port(), "samples": free_port()}
     cmd = [sys.executable, os.path.join(REPO, "verifier.py"), f"run.dir={run_dir}", f"model.path={model_dir}",
            f"ports.rollouts={ports['rollouts']}", f"ports.samples={ports['samples']}", "run.log_every=0.2",
-           "verifier.workers=1", f"sync.port={store.port if store else free_port()}", *overrides]
+           "verifier.workers=1", f"sync.port={store.port}", *overrides]
     out = open(os.path.join(run_dir, "stdout.txt"), "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     ctx = zmq.Context()
@@ -235,7 +242,8 @@ def rollout(tok, group_id, sample_idx, group_size, task, answer, text, eos=True)
     ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
     n = len(ids)
     header = {"group_id": group_id, "sample_idx": sample_idx, "group_size": group_size, "task": task,
-              "answer": answer, "finish_reason": "stop", "t_start": 1.0, "t_end": 2.0, "proc": 0, "eval": False}
+              "answer": answer, "finish_reason": "stop", "t_start": 1.0, "t_end": 2.0, "inc": 1, "cut": 1,
+              "eval": False}
     arrays = {"prompt_ids": np.array([1, 2, 3], np.int32), "completion_ids": np.array(ids, np.int32),
               "logprobs": -np.arange(1, n + 1, dtype=np.float32) / 8,
               "versions": np.full(n, 7 + group_id, np.int32)}
@@ -282,8 +290,9 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
     try:
         sent = {}
 
-        def send(group_id, idx, size, task, answer, text, eos=True):
+        def send(group_id, idx, size, task, answer, text, eos=True, **stream):
             header, arrays = rollout(tok, group_id, idx, size, task, answer, text, eos)
+            header.update(stream)  # inc, cut
             sent[(group_id, idx)] = arrays
             conftest.send(push, header, arrays)
 
@@ -337,7 +346,7 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
         m = wait_metrics(run_dir, lambda r: "group 3 still incomplete" in stdout(run_dir)
                          and r["verifier/slow_groups"])
         assert (m["verifier/dropped_groups"], m["verifier/dropped_samples"], m["verifier/queue_depth"]) == (1, 2, 1)
-        assert store.add("dropped/0", 0) == 2
+        assert store.add("dropped/1/1", 0) == 2
         send(3, 2, 3, "arithmetic", "5", "#4")
         send(3, 1, 3, "arithmetic", "5", "#5")
         late = receive(pull, 3)
@@ -349,6 +358,12 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
         (h, _), = receive(pull, 1)
         assert (h["group_id"], h["status"], h["reward"], h["advantage"]) == (5, "wrong", -0.5, 0.0)
         wait_metrics(run_dir, lambda r: r["verifier/duplicates"] == 2 and r["step"] == 5)
+        # group 1 generated again in another stream (a restarted trainer's redo list, after its cut): a new
+        # group, forwarded and numbered from 0 in its stream, not a duplicate of the one finished above
+        send(1, 0, 2, "arithmetic", "12", "#12", inc=2, cut=3)
+        send(1, 1, 2, "arithmetic", "12", "#13", inc=2, cut=3)
+        again = receive(pull, 2)
+        assert sorted((h["group_id"], h["inc"], h["cut"], h["seq"]) for h, _ in again) == [(1, 2, 3, 0), (1, 2, 3, 1)]
     finally:
         stop_verifier(proc, ctx, run_dir)
     assert stdout(run_dir).count("group 3 still incomplete") == 1  # logged once, not at every tick
@@ -370,7 +385,7 @@ def test_service_drops_zero_advantage_groups_when_asked(tmp_path, tokenizer_dir)
         assert sorted((h["group_id"], h["advantage"]) for h, _ in samples) == [(2, -0.5), (2, 0.5)]
         m = wait_metrics(run_dir, lambda r: r["verifier/groups_forwarded"] == 1)
         assert (m["verifier/zero_adv_groups"], m["verifier/dropped_groups"]) == (1, 1)
-        assert store.add("dropped/0", 0) == 2  # given back to actor 0's admission budget: else the run stalls
+        assert store.add("dropped/1/1", 0) == 2  # given back to incarnation 1's budget: else the run stalls
     finally:
         stop_verifier(proc, ctx, run_dir)
 
@@ -391,15 +406,15 @@ def test_service_grades_evaluations_and_drops_non_finite_rollouts(tmp_path, toke
                 wait_metrics(run_dir, lambda r: r["verifier/slow_groups"] == 1)
             conftest.send(push, {**h, "eval": True}, a)
         h, a = rollout(tok, 30, 0, 2, "arithmetic", "5", "#5")  # training group 30: another id space
-        conftest.send(push, {**h, "proc": 1}, a)
+        conftest.send(push, {**h, "inc": 2}, a)
         a = {**a, "logprobs": a["logprobs"].copy()}
         a["logprobs"][0] = np.nan
-        conftest.send(push, {**h, "sample_idx": 1, "proc": 1}, a)
+        conftest.send(push, {**h, "sample_idx": 1, "inc": 2}, a)
         m = wait_metrics(run_dir, lambda r: r["verifier/evaluations"] == 1 and r["verifier/malformed"] == 1)
         assert (m["verifier/dropped_groups"], m["verifier/groups_forwarded"]) == (1, 0)
         assert m["verifier/test_reward"] == 0.5 and m["verifier/test_version"] == 30
         assert not pull.poll(500)  # nothing reaches the trainer
-        assert store.add("dropped/1", 0) == 2 and store.add("dropped/0", 0) == 0
+        assert store.add("dropped/2/1", 0) == 2 and store.add("dropped/1/1", 0) == 0
     finally:
         stop_verifier(proc, ctx, run_dir)
     (record,) = read_jsonl(os.path.join(run_dir, "eval.jsonl"))

@@ -201,3 +201,29 @@ def test_the_first_broadcast_of_a_new_group_is_bounded_and_named():
         ws.init_group(store, 0, 2, "gloo", timeout_s=3)
     assert "the weight group's first broadcast (rank 0 of 2" in str(err.value)
     assert f"store at 127.0.0.1:{store.port}: sync.host:sync.port" in str(err.value)
+
+
+def test_an_operation_on_an_abandoned_group_fails_at_once():
+    """A member died during a broadcast: the trainer forms a new group, and a survivor's receive still
+    waiting on the old one must fail at once (the actor then joins the new group before its rendezvous
+    times out and counts it lost too). gloo's own shutdown ends no pending operation (measured: the
+    receive waited until the sender's process exited); ws.abandon makes ws.wait give up. Both ranks are
+    threads of this process; rank 0 never sends."""
+    import threading
+    import time
+    store = ws.create_store("127.0.0.1", 0, True, 30)
+    groups = {}
+
+    def member(rank):  # a connection of its own: a client holds its lock across a blocking wait
+        groups[rank] = ws.init_group(ws.create_store("127.0.0.1", store.port, False, 30), rank, 2, "gloo", 30)
+    threads = [threading.Thread(target=member, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    pg = groups[1]
+    threading.Timer(0.5, ws.abandon, args=(pg,)).start()
+    t0 = time.time()
+    with pytest.raises(torch.distributed.DistError, match="given up"):
+        ws.wait(pg.broadcast(torch.zeros(4), 0), pg)
+    assert time.time() - t0 < 10  # the group's timeout is 30 s

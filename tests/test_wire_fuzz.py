@@ -36,8 +36,8 @@ def valid(rng: random.Random, kind: str):
     header = {"group_id": rng.randrange(10**5), "sample_idx": rng.randrange(size),
               "group_size": size, "task": rng.choice(["arithmetic", "math"]),
               "answer": str(rng.randrange(100)),
-              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "proc": rng.randrange(3),
-              "eval": rng.random() < 0.2}
+              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "inc": rng.randrange(3),
+              "cut": 1, "eval": rng.random() < 0.2}
     if kind == "sample":
         header.update(reward=float(rng.choice([0, 1])), status="correct",
                       advantage=rng.uniform(-1, 1), seq=n)  # seq: no draw, the stream stays as it was
@@ -199,7 +199,7 @@ def test_decode_raises_wire_error_and_nothing_else_on_fuzzed_messages():
         types = common.SCHEMAS["sample"][0]
         assert all(k in types for k in peeked)
         assert all(type(peeked[k]) is int and 0 <= peeked[k] < 2**31
-                   for k in ("group_id", "group_size", "proc") if k in peeked)
+                   for k in ("group_id", "group_size", "inc", "cut") if k in peeked)
     assert applied == set(MUTATIONS)
     assert outcomes["decoded"] > 100 and outcomes["WireError"] > 4000, outcomes
 
