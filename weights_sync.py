@@ -368,7 +368,7 @@ class WeightServer:
                 self.verifier_now = int(store.add("verifier/incarnations", 0))
             except Exception as e:  # noqa: BLE001 - the store unreachable for a moment: next turn
                 print(f"[trainer] the store: {type(e).__name__}: {e}", flush=True)
-            if set(self.members) - set(self.live or self.members):
+            if self.live is not None and set(self.members) - set(self.live):
                 abandon(self.pg)
             if set(self.live or ()) != set(self.members) or self.verifier_now != self.verifier:
                 self.wake.set()
@@ -422,7 +422,10 @@ class WeightServer:
                 f"weights/{g}", self.cfg.run.heartbeat_timeout_s)
         except dist.DistStoreError:
             met = [self.store.check([f"weights/{g}/joined/{rank}"]) for rank in members.values()]
-            self.lost |= {inc for inc, ok in zip(members, met) if not ok}
+            for inc in [inc for inc, ok in zip(members, met) if not ok]:
+                print(f"[trainer] actor incarnation {inc} lost: not in weight group {g} within "
+                      f"{self.cfg.run.heartbeat_timeout_s:.0f} s (run.heartbeat_timeout_s)", flush=True)
+                self.lost.add(inc)
             raise
 
 # --- receiver -------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ The namespace tests need root and iproute2 (`ip netns`); skipped otherwise, with
 Run: bash run.sh test tests/test_multihost.py      (about 2 minutes on 2 shared cores)
 """
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -192,9 +193,10 @@ def test_slurm_nodes_then_the_actor_hosts_link_cut_and_restored(tiny_model_dir, 
         assert node0.poll() is None and node1.poll() is None and time.time() < deadline, \
             node0.communicate()[0][-3000:] if node0.poll() is not None else logs(run_dir)
         time.sleep(0.5)
-    _ip("-n", hosts["ns"][1], "link", "set", hosts["dev"][1], "down")
     trainer_log = run_dir / "logs" / "trainer.log"
-    while "no actor in the weight group" not in trainer_log.read_text():
+    before = trainer_log.read_text().count("no actor in the weight group")  # at start-up, maybe
+    _ip("-n", hosts["ns"][1], "link", "set", hosts["dev"][1], "down")
+    while trainer_log.read_text().count("no actor in the weight group") == before:
         assert node0.poll() is None and time.time() < deadline, logs(run_dir)
         time.sleep(0.5)
     steps_while_cut = len(trainer_steps(run_dir))
@@ -205,7 +207,9 @@ def test_slurm_nodes_then_the_actor_hosts_link_cut_and_restored(tiny_model_dir, 
     assert rc1 == 0, out1[-5000:] + logs(run_dir)
     assert "node 0/2 runs: store verifier trainer" in out0 and "node 1/2 runs: actor" in out1
     log = trainer_log.read_text()
-    assert "actor incarnation 1 lost: no heartbeat for 3 s" in log, log[-3000:]
+    # silent for 3 s, or (the broadcast to it failed first) absent from the group formed next for 3 s
+    assert re.search(r"actor incarnation 1 lost: (no heartbeat for 3 s|not in weight group \d+ within 3 s)", log), \
+        log[-3000:]
     assert trainer_steps(run_dir)[-1] == 12 > steps_while_cut
     actor_log = (run_dir / "logs" / "actor.log").read_text()
     assert "incarnation 2, waiting for a weight group" in actor_log, actor_log[-3000:]

@@ -51,7 +51,7 @@ def test_trace_of_a_short_run(tiny_model_dir, tmp_path):
 
     # the recorder's own files: counters in time order, per file and name
     files = {f.stem.removeprefix("events_"): read_events(f) for f in run_dir.glob("events_*.jsonl")}
-    assert {"actor0", "engine1", "verifier", "trainer0"} <= set(files), sorted(files)
+    assert {"actor0", "engine0-0", "verifier", "trainer0"} <= set(files), sorted(files)
     for track, records in files.items():
         last = defaultdict(float)
         for kind, name, t, *_ in (r for r in records if r[0] == "C"):
@@ -68,12 +68,12 @@ def test_trace_of_a_short_run(tiny_model_dir, tmp_path):
     assert all(isinstance(e["ts"], (int, float)) for e in events if e["ph"] in "XC")
     processes = {e["args"]["name"].split()[0]: e["pid"] for e in events
                  if e["name"] == "process_name"}
-    assert {"actor0", "engine1", "verifier", "trainer0"} <= set(processes)
+    assert {"actor0", "engine0-0", "verifier", "trainer0"} <= set(processes)
     names = defaultdict(set)
     for e in events:
         if e["ph"] in "XC":
             names[e["pid"]].add(e["name"])
-    expect = {"actor0": {"update"}, "engine1": {"receive", "engine inflight", "engine tokens_per_s",
+    expect = {"actor0": {"update"}, "engine0-0": {"receive", "engine inflight", "engine tokens_per_s",
                                                 "engine busy"},
               "verifier": {"verifier scored_per_s", "verifier groups_completed",
                            "verifier groups_dropped"},
