@@ -491,6 +491,7 @@ class Actor:
         into the next weight group once it beats (alive/<inc>, `log`)."""
         self.st.inc = int(self.store.add("actor/incarnations", 1))
         self.st.group = self.joining = None
+        self.was_member = False
         self.st.started = 0  # its budget's accounting starts afresh (store keys of the new inc)
         self.beat()
         print(f"[actor] process {self.proc}: incarnation {self.st.inc}, waiting for a weight group",
@@ -552,7 +553,8 @@ class Actor:
         info = json.loads(self.store.get(f"group/{g}"))
         members = {int(inc): first for inc, first in info["members"].items()}
         if st.inc not in members:
-            if st.group is not None or self.joining is not None:  # was in one: excluded
+            # was in one (its receive may have failed since, leaving it paused): excluded
+            if self.was_member:
                 await self.drop_all()
                 self.register()
             return
@@ -571,7 +573,7 @@ class Actor:
             print(f"[actor] weight group {g}: not formed ({e}); waiting for the next", flush=True)
             return
         # generation resumes once this group's first weights are in
-        self.joining = g
+        self.joining, self.was_member = g, True
 
     async def take_version(self, version: int):
         """One announced version, in place (`update_weights`). A receive cut short (the trainer
