@@ -183,7 +183,8 @@ class WeightSender:
         self.staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def announce(self, value: str):
-        """The next `announce/<n>`: a version about to be broadcast, or "done" (the actors exit)."""
+        """The next `announce/<n>`: a version about to be broadcast, "group <g>" (WeightServer), or
+        "done" (the actors exit)."""
         self.store.set(f"announce/{int(self.store.add('announced', 1))}", value)
 
     def send(self, version: int, named_tensors, manifest):
@@ -301,10 +302,6 @@ class WeightServer:
         if self.error is not None:
             raise RuntimeError(f"the weight group failed: {self.error}") from self.error
 
-    def announce(self, value: str):
-        """The next `announce/<n>`: "<version>" about to be broadcast, "group <g>", or "done"."""
-        self.store.set(f"announce/{int(self.store.add('announced', 1))}", value)
-
     def drain(self):
         """Wait until every member has the newest copy, or there is no member (at most
         sync.timeout_s)."""
@@ -319,7 +316,7 @@ class WeightServer:
         actors exit on "done")."""
         self.drain()
         with self.lock:
-            self.announce(last)
+            self.sender.announce(last)
             self.closed = True  # the thread stops at its next turn
 
     def _run(self):
@@ -413,7 +410,7 @@ class WeightServer:
         self.store.set(f"group/{g}", json.dumps(info))
         # the new group gets the newest weights first
         self.fresh = bool(self.copy)
-        self.announce(f"group {g}")
+        self.sender.announce(f"group {g}")
         if not members:
             return
         try:
