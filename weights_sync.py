@@ -140,14 +140,20 @@ def abandon(pg):
 
 def wait(work, pg):
     """`work.wait()` on group `pg`, which raises DistError once the group is abandoned (gloo: polled
-    every 0.2 ms, as the collective's completion is)."""
+    every 0.2 ms, as the collective's completion is) or when the operation failed: gloo reports a
+    peer's killed process as a plain RuntimeError ("Connection reset by peer")."""
     if pg.name() == "gloo":
         while not work.is_completed():
             if id(pg) in _ABANDONED:
                 raise dist.DistError("the weight group was given up (a newer one was formed) while "
                                      "this operation waited")
             time.sleep(0.0002)
-    work.wait()
+    try:
+        work.wait()
+    except RuntimeError as e:
+        if isinstance(e, dist.DistError):
+            raise
+        raise dist.DistError(f"the operation failed: {e}") from e
 
 def _device(pg) -> torch.device:
     return torch.device(f"cuda:{torch.cuda.current_device()}" if pg.name() == "nccl" else "cpu")

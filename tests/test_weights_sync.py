@@ -227,3 +227,31 @@ def test_an_operation_on_an_abandoned_group_fails_at_once():
     with pytest.raises(torch.distributed.DistError, match="given up"):
         ws.wait(pg.broadcast(torch.zeros(4), 0), pg)
     assert time.time() - t0 < 10  # the group's timeout is 30 s
+
+
+def _join_and_sleep(port):
+    ws.init_group(ws.create_store("127.0.0.1", port, False, 30), 0, 2, "gloo", 30)
+    import time
+    time.sleep(600)
+
+
+def test_a_peer_killed_mid_operation_is_a_dist_error():
+    """The trainer's process killed (SIGKILL) during a broadcast: gloo raises a plain RuntimeError
+    ("Connection reset by peer"), not a DistError, so the actor read its failed receive as a bug and
+    exited, where it must wait paused for the restarted trainer's group (tests/test_e2e.py's trainer
+    restart met it in one of five runs under load). ws.wait turns any failure of the wait into DistError."""
+    import signal
+    import threading
+    store = ws.create_store("127.0.0.1", 0, True, 30)
+    peer = forkserver().Process(target=_join_and_sleep, args=(store.port,))
+    peer.start()
+    try:
+        pg = ws.init_group(ws.create_store("127.0.0.1", store.port, False, 30), 1, 2, "gloo", 30)
+        threading.Timer(0.5, os.kill, args=(peer.pid, signal.SIGKILL)).start()
+        with pytest.raises(torch.distributed.DistError, match="failed"):
+            ws.wait(pg.broadcast(torch.zeros(4), 0), pg)
+        peer.join(30)
+        assert peer.exitcode == -signal.SIGKILL  # the peer died of our kill, not of its own error
+    finally:
+        peer.kill()
+        peer.join(30)
