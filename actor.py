@@ -14,8 +14,8 @@ Run alone (needs the run's store at sync.host:sync.port, `python weights_sync.py
   run.peer_timeout_s (naming the store) or the store goes away. ACTOR_PROC_INDEX=p (one per node):
   its name in logs, and process 0 evaluates.
 Elastic: each start (and each return after being counted lost) is a new incarnation in the store;
-  the trainer takes every live one into its weight group (weights_sync.WeightServer), and a lost
-  one's share of the lag budget goes to the others (`share_of`).
+  the trainer takes every live one into its weight group (weights_sync.WeightServer). The lag
+  budget is the run's, one for all incarnations (`admit`): a lost one's samples go back to it.
 
 Simplifications vs the paper and its code:
 1. Admission control bounds lag by how many samples may start ahead of the trainer (`admit`); the
@@ -28,7 +28,6 @@ Simplifications vs the paper and its code:
    batch, so that evaluation never delays the first samples; evaluation requests have a lower
    priority than training's (vLLM's priority scheduling).
 4. Stale KV is kept across an update (the paper's default); actor.recompute_kv=true recomputes it.
-5. Several actor incarnations split the lag budget in whole groups (exact for one; see `admit`).
 """
 import asyncio
 import contextlib
@@ -347,14 +346,18 @@ class ActorState:
     # the trainer's epoch (a restarted trainer has a new one) and its version at the latest cut
     epoch: int = None
     cut_version: int = 0
-    # samples per version this incarnation may start: its share of B among the group's members
+    # its part of B among the group's members (the samples its first evaluation waits for)
     share: int = 0
-    # since the cut: samples started, dropped on the way (store dropped/<inc>/<cut>), consumed by
-    # the trainer by its version `trained` (store consumed/<inc>)
+    # the run's budget, all incarnations together, since the cut (`admit`): samples started
+    # (budget/<cut>/started), given back, consumed by the trainer by its version `trained`, as
+    # last read (`Actor.refresh_budget`)
     started: int = 0
     dropped: int = 0
     consumed: int = 0
     trained: int = 0
+    # the group's other members, and the oldest version any of them has in flight (oldest/<inc>)
+    others: list = field(default_factory=list)
+    others_oldest: int = None
     started_total: int = 0
     pushed: int = 0
     # training samples being generated
@@ -371,37 +374,34 @@ class ActorState:
 def admit(cfg, st: ActorState) -> bool:
     """May one more group of group_size samples start now without any token exceeding actor.max_lag?
 
-    Pipeline: admit while outstanding + group_size <= (u_min - t + max_lag + 1) * share, where
-    outstanding = started - dropped - consumed (since the cut: samples started and not yet trained
-    on, nor given back), t the trainer's version when it had consumed `consumed` of them, u_min the
-    oldest start version in flight, share this incarnation's samples per version. One actor
-    (share = B): the trainer consumes B samples a step in arrival order, so the k-th sample to
+    One budget for the run, whatever the number of actors: admit while outstanding + group_size
+    <= (u_min - t + max_lag + 1) * B, where outstanding = started - dropped - consumed (since the
+    cut, all incarnations: samples started and not yet trained on, nor given back), t the trainer's
+    version when it had consumed `consumed` of them, u_min the oldest start version in flight in
+    any member. The trainer consumes B samples a step in arrival order, so the k-th sample to
     arrive after version t is trained on by version t + floor(k/B). A group started at version u is
     in flight until its last sample arrives (the verifier forwards whole groups), so every admission
-    up to then, its own included, saw u_min <= u: at most (u - t + max_lag + 1)*B samples arrive by
-    then, so it is trained on by version <= u + max_lag, and its tokens were sampled by versions
-    >= u. A dropped sample is never consumed, so it is given back (`dropped`; learnt late, it only
-    made admission more cautious); a stale (t, consumed) only makes it more cautious too (the
-    trainer publishes both at once). Nothing stalls: once the groups in flight finish, u_min is
-    the current version and the budget covers the trainer's next step. Several actors split B per
-    version in whole groups (`share_of`): exact for one, approximate when they run at different
-    speeds. A lost member's samples are discarded from the moment the survivors' shares grow
-    (weights_sync.WeightServer), so they never take a survivor's place in the queue.
+    up to then, its own included and any actor's, saw u_min <= u: at most (u - t + max_lag + 1)*B
+    samples arrive by then, so it is trained on by version <= u + max_lag, and its tokens were
+    sampled by versions >= u. Stale reads only make admission more cautious: `started` is a counter
+    each admission adds to before it counts (`Actor.reserve`), the trainer publishes (t, consumed,
+    given back) at once, and a member's published oldest version only grows. A sample given back is
+    never consumed: dropped on the way, or a lost incarnation's never trained (trainer.py
+    settle_samples). Nothing stalls: once the groups in flight finish, u_min is the current version
+    and the budget covers the trainer's next step. With several actors a slow one's old group holds
+    every actor's admission, as it must: the trainer would otherwise train past it.
     Conventional: B*G_steps samples per RL step (fewer for the first after resuming mid-RL-step),
     then wait for the next weights."""
-    a, gs = cfg.actor, cfg.actor.group_size
+    a, gs, b = cfg.actor, cfg.actor.group_size, cfg.trainer.batch_size
     outstanding = st.started - st.dropped - st.consumed
     if a.schedule == "conventional":
-        return outstanding + gs <= (a.G_steps - st.trained % a.G_steps) * st.share
-    u_min = min((g.version for g in st.groups.values()), default=st.version)
-    return outstanding + gs <= (u_min - st.trained + a.max_lag + 1) * st.share
+        return outstanding + gs <= (a.G_steps - st.trained % a.G_steps) * b
+    u_min = oldest(st) if st.others_oldest is None else min(oldest(st), st.others_oldest)
+    return outstanding + gs <= (u_min - st.trained + a.max_lag + 1) * b
 
-def share_of(cfg, members: list, inc: int) -> int:
-    """Incarnation inc's samples per version: B split among the members in whole groups, the
-    first members taking one more where it does not divide."""
-    groups, n = cfg.trainer.batch_size // cfg.actor.group_size, len(members)
-    k = sorted(members).index(inc)
-    return cfg.actor.group_size * (groups // n + (k < groups % n))
+def oldest(st: ActorState) -> int:
+    """The oldest version this incarnation has in flight (its own version when none)."""
+    return min([g.version for g in st.groups.values()] + [st.version])
 
 def least_loaded(st: ActorState, engines: int) -> int:
     """The engine with the fewest training samples in flight."""
@@ -431,6 +431,7 @@ class Actor:
         # the weight group joined whose first weights have yet to arrive; the trainer's list of
         # groups to do again (next_group; None: not read yet)
         self.joining = self.redo = None
+        self.published = None  # the oldest version in flight the other members were told of
         self.last_log = time.time() - cfg.run.log_every  # the first pass logs (and beats)
         self.last_tick = None
         self.blocked_at_log = 0.0
@@ -466,6 +467,7 @@ class Actor:
                                   f"{cfg.sync.host}:{cfg.sync.port})")
             self.update(announcements.pending)
             # generate only with weights in effect, in a group
+            self.publish_oldest()
             blocked = self.admit_groups() if st.group is not None else False
             if st.group is not None and not frozen:
                 common.freeze_heap()  # start-up is over: engines up, first weights in
@@ -492,7 +494,6 @@ class Actor:
         self.st.inc = int(self.store.add("actor/incarnations", 1))
         self.st.group = self.joining = None
         self.was_member = False
-        self.st.started = 0  # its budget's accounting starts afresh (store keys of the new inc)
         self.beat()
         print(f"[actor] process {self.proc}: incarnation {self.st.inc}, waiting for a weight group",
               flush=True)
@@ -560,12 +561,12 @@ class Actor:
             return
         if info["cut"] != st.cut or info["epoch"] != st.epoch:
             await self.drop_all()
-            st.started = 0
             st.cut, st.cut_version = info["cut"], info["version"]
             self.redo = None if info["epoch"] != st.epoch else self.redo
             st.epoch = info["epoch"]
-        st.share = share_of(cfg, list(members), st.inc)
-        st.group = self.joining = None
+        st.share = cfg.trainer.batch_size // len(members)
+        st.others = sorted(set(members) - {st.inc})
+        st.group = self.joining = self.published = None
         world = 1 + len(members) * cfg.actor.engines * cfg.actor.tp
         try:
             await join_group(cfg, self.engines, g, members[st.inc], world)
@@ -655,7 +656,7 @@ class Actor:
                 self.drops_checked = now
                 self.refresh_budget()
                 ok = admit(cfg, st)
-            if not ok:
+            if not (ok and self.reserve()):
                 blocked = not conventional
                 held = "rl_step" if conventional else "lag"
                 break
@@ -670,7 +671,6 @@ class Actor:
                 self.tasks.add(asyncio.create_task(
                     self.sample(e, problem, prompt, gid, k, self.params)))
             st.inflight += gs
-            st.started += gs
             st.started_total += gs
         self.tasks = {t for t in self.tasks if not t.done()}
         if blocked:
@@ -684,14 +684,42 @@ class Actor:
             self.admission_since = now
         return blocked
 
+    def reserve(self) -> bool:
+        """Count one more group in the run's budget (budget/<cut>/started), then check `admit`
+        with every admission before it counted, any actor's; over budget: uncount it. Then this
+        incarnation's own count (budget/<cut>/started/<inc>: what the trainer gives back if it is
+        lost; counted after, so a death in between loses budget rather than exceeds it)."""
+        st, gs = self.st, self.cfg.actor.group_size
+        st.started = int(self.store.add(f"budget/{st.cut}/started", gs)) - gs
+        if not admit(self.cfg, st):
+            st.started = int(self.store.add(f"budget/{st.cut}/started", -gs))
+            return False
+        st.started += gs
+        self.store.add(f"budget/{st.cut}/started/{st.inc}", gs)
+        return True
+
     def refresh_budget(self):
-        """The trainer's word on this incarnation's samples since the cut: given back
-        (dropped/<inc>/<cut>), and consumed by its version `trained` (consumed/<inc>: "cut version
-        count", published together each step; WeightServer sets it for a new member)."""
+        """The run's budget: samples started; trained by the trainer's version `trained`, and
+        given back by lost incarnations, as the trainer last published them (budget/<cut>:
+        "version consumed lost", each step; WeightServer sets it at a cut); dropped on the way by
+        the members (dropped/<inc>/<cut>, read here: the trainer may be waiting for their
+        replacements); the oldest version each other member has in flight (oldest/<inc>: "cut
+        version"; one of an earlier cut: this cut's first)."""
+        st, store = self.st, self.store
+        st.started = int(store.add(f"budget/{st.cut}/started", 0))
+        st.trained, st.consumed, lost = map(int, store.get(f"budget/{st.cut}").split())
+        st.dropped = lost + sum(int(store.add(f"dropped/{i}/{st.cut}", 0)) for i in [st.inc, *st.others])
+        values = [v.decode().split() for v in store.multi_get([f"oldest/{i}" for i in st.others])]
+        st.others_oldest = min((int(v) if int(c) == st.cut else st.cut_version for c, v in values),
+                               default=None)
+
+    def publish_oldest(self):
+        """Tell the other members the oldest version this incarnation has in flight, when it grew
+        (`admit`; WeightServer sets a member's first, at or below any version it will start)."""
         st = self.st
-        st.dropped = int(self.store.add(f"dropped/{st.inc}/{st.cut}", 0))
-        cut, version, count = map(int, self.store.get(f"consumed/{st.inc}").split())
-        st.trained, st.consumed = (version, count) if cut == st.cut else (st.cut_version, 0)
+        if st.group is not None and oldest(st) != self.published:
+            self.published = oldest(st)
+            self.store.set(f"oldest/{st.inc}", f"{st.cut} {self.published}")
 
     def next_group(self) -> int:
         """The next group id: first the trainer's list of groups to do again (redo/<epoch>: in

@@ -9,9 +9,8 @@ Produces  (1) the weights after every optimizer step (every actor.G_steps, conve
           taken; (2) <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer,
           optim-rank{r}.pt, trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and
           samples_trainer.jsonl (rank 0's sequences per step: group ids, incarnations, per-token
-          versions run-length coded [v, n]); (4) once a step, per actor incarnation, the samples
-          trained (store keys consumed/<inc>) and those the verifier sent that never arrived, given
-          back to its budget (settle_samples: dropped/<inc>/<cut>).
+          versions run-length coded [v, n]); (4) once a step, the samples trained and given
+          back, the actors' admission budget (settle_samples: budget/<cut>).
 Run alone (the run's store at sync.host:sync.port, `python weights_sync.py`; a verifier pushes
 samples, the actors' vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
@@ -780,12 +779,14 @@ def group_view(store):
         return cached[1], cached[2]
     return view
 
-def settle_samples(state, samples, store, cut):
-    """All ranks, once a step, with their share; rank 0 then (1) counts, per actor incarnation, the
-    samples trained since the cut and publishes it with this version (`consumed/<inc>`: "cut
-    version count"), the actors' admission budgets (actor.admit); (2) gives back to the actors'
-    budgets (dropped/<inc>/<cut>) the samples the verifier sent that never arrived intact at any
-    rank. The verifier numbers each incarnation's samples of a cut in send order (`seq`), and a ZMQ
+def settle_samples(state, samples, store, members, cut):
+    """All ranks, once a step, with their share; rank 0 then (1) finds the samples the verifier
+    sent that never arrived intact at any rank, and counts them given back to the actor that
+    started them (dropped/<inc>/<cut>, where the verifier counts the groups it drops; the actors
+    read them there); (2) publishes with this version the samples trained since the cut and those
+    a lost incarnation (not a member) started that were neither trained nor dropped: all of them
+    given back too, the actors' admission budget (actor.admit). A sample a rank trains after that
+    (its view of the group is up to a second old) is no longer counted given back the next step. The verifier numbers each incarnation's samples of a cut in send order (`seq`), and a ZMQ
     pipe is first in, first out (a reconnected rank's new one carries newer seqs): once every rank
     has received a sample of an incarnation numbered above s, its sample s never arrives (a rank's
     connection dropped with it queued, or it came malformed). Judged from the first seq of the cut
@@ -802,8 +803,6 @@ def settle_samples(state, samples, store, cut):
             state.received.setdefault(inc, set()).add(seq)
             state.highest[r, inc] = max(state.highest.get((r, inc), -1), seq)
             state.consumed[inc] = state.consumed.get(inc, 0) + 1
-    for inc, count in state.consumed.items():
-        store.set(f"consumed/{inc}", f"{cut} {state.step} {count}")
     for inc, received in state.received.items():
         # every seq below it arrived or never will (-1 while a rank has none of inc's)
         watermark = min(state.highest.get((r, inc), -1) for r in range(world()))
@@ -813,6 +812,11 @@ def settle_samples(state, samples, store, cut):
             store.add(f"dropped/{inc}/{cut}", len(lost))
             print(f"[trainer] lost {len(lost)} samples of actor incarnation {inc}: given back",
                   flush=True)
+    lost = 0  # (an incarnation not yet in a group has started nothing)
+    for inc in set(range(1, int(store.add("actor/incarnations", 0)) + 1)) - set(members):
+        lost += (int(store.add(f"budget/{cut}/started/{inc}", 0)) - state.consumed.get(inc, 0)
+                 - int(store.add(f"dropped/{inc}/{cut}", 0)))
+    store.set(f"budget/{cut}", f"{state.step} {sum(state.consumed.values())} {lost}")
 
 def waiting_for(members, cfg) -> str:
     """For the no-samples error: what to look at."""
@@ -897,7 +901,7 @@ def main():
             batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
         samples = batches.pop(0)
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
-        settle_samples(state, samples, store, view()[1])
+        settle_samples(state, samples, store, *view())
         # The weights go out in pipeline mode after every applied step; conventional: once per RL
         # step (G_steps steps), even when its last step was skipped (the actor waits for this
         # broadcast to start the next RL step).

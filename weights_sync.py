@@ -407,9 +407,12 @@ class WeightServer:
         per = self.cfg.actor.engines * self.cfg.actor.tp  # weight ranks of an actor
         g = int(self.store.add("group/count", 1))
         members = {inc: 1 + k * per for k, inc in enumerate(sorted(live))}
-        # new members (and every member at a cut) start their count of consumed samples at 0
+        # a cut starts the run's admission budget afresh (actor.admit); a new member (every member
+        # at a cut) starts no group older than the weights it is about to get
+        if cut:
+            self.store.set(f"budget/{g}", f"{self.version} 0 0")
         for inc in members if cut else set(members) - set(self.members):
-            self.store.set(f"consumed/{inc}", f"{g if cut else self.cut} {self.version} 0")
+            self.store.set(f"oldest/{inc}", f"{g if cut else self.cut} {self.version}")
         self.g, self.members, self.broken = g, members, False
         self.cut = g if cut else self.cut
         info = {"members": members, "cut": self.cut, "epoch": self.epoch, "version": self.version}

@@ -60,8 +60,8 @@ def constant_model(sd, token_id, seed=1):
 class FakeTrainer:
     """Trainer rank 0 of the weight group, by hand: forms groups as weights_sync.WeightServer does
     (group/<g> in the store, "group <g>" announced, the rendezvous under weights/<g>), announces and
-    broadcasts versions (from a thread). With each version it publishes each member's consumed count
-    (consumed/<inc>) as a trainer of batch_size samples a version would: one member takes them all."""
+    broadcasts versions (from a thread). With each version it publishes the run's admission budget
+    (budget/<cut>) as a trainer of batch_size samples a version would, no member lost."""
 
     def __init__(self, store, epoch=1, batch_size=8):
         # a connection of its own, as the trainer's: a rendezvous waiting on a shared one would hold
@@ -76,12 +76,17 @@ class FakeTrainer:
         """A new group of rank 0 and `members` (incarnation -> first weight rank; `per` ranks each),
         announced; it is formed once they meet: by themselves (an actor loop), or by `join(g)`."""
         g = int(self.store.add("group/count", 1))
-        self.cut = g if cut or self.cut is None else self.cut
+        # none of the group before: a cut (each test's fresh incarnation starts the budget afresh)
+        cut = cut or not set(members) & set(self.members)
+        new = set(members) if cut else set(members) - set(self.members)
+        self.cut = g if cut else self.cut
         # the version its first weights carry: a WeightServer's newest copy; here the next send's
-        # (set by consumed())
-        self.members, self.first = members, None
-        for inc in members:
-            self.store.set(f"consumed/{inc}", f"{self.cut} {self.version + 1} 0")
+        self.members = members
+        if cut:  # the budget counts from the cut's first weights (set by consumed())
+            self.first = None
+            self.store.set(f"budget/{self.cut}", f"{self.version + 1} 0 0")
+        for inc in new:
+            self.store.set(f"oldest/{inc}", f"{self.cut} {self.version + 1}")
         self.store.set(f"group/{g}", json.dumps({"members": members, "cut": self.cut,
                                                  "epoch": self.epoch, "version": self.version + 1}))
         self.store.set(f"announce/{int(self.store.add('announced', 1))}", f"group {g}")
@@ -99,11 +104,10 @@ class FakeTrainer:
         return g
 
     def consumed(self, version):
-        """Before `version` goes out: batch_size samples trained per version since the group's first
-        (the first sent after regroup: tests skip versions)."""
+        """Before `version` goes out: batch_size samples trained per version since the cut's first
+        (the first sent after it: tests skip versions)."""
         self.first = version if self.first is None else self.first
-        for inc in self.members:
-            self.store.set(f"consumed/{inc}", f"{self.cut} {version} {(version - self.first) * self.batch_size}")
+        self.store.set(f"budget/{self.cut}", f"{version} {(version - self.first) * self.batch_size} 0")
 
     def send(self, sd, version=None):
         self.version = self.version + 1 if version is None else version
@@ -908,9 +912,11 @@ def test_weight_server_newest_only_bit_identical(env):
 
 
 def test_admission_budgets_hand_worked():
-    """admit(): pipeline budget (u_min - t + max_lag + 1)*share minus what is outstanding (started, not yet
-    trained on nor given back); conventional quota (G - t % G)*share per RL step (a run resumed
-    mid-RL-step finishes that RL step, no extra batch); share_of splits B in whole groups."""
+    """admit(): the run's pipeline budget (u_min - t + max_lag + 1)*B minus what is outstanding (started, not
+    yet trained on nor given back), u_min the oldest version in flight in any member (another actor's
+    slow group holds this one too: with each its own, a run of two actors trained 4% of its tokens beyond
+    max_lag, up to 14 versions behind); conventional quota (G - t % G)*B per RL step (a run resumed
+    mid-RL-step finishes that RL step, no extra batch)."""
     def cfg(*kv):
         return common.load_config(["trainer.batch_size=8", "actor.group_size=4", *kv])
     pipe = cfg("actor.max_lag=1")
@@ -924,7 +930,7 @@ def test_admission_budgets_hand_worked():
     # a group started at version 6 is still running: u_min = 6 -> 24
     st.groups = {0: actor.Group(version=6, left=4, engine=0)}
     st.started, st.dropped, st.consumed = 32, 4, 8  # 4 of them were dropped: 20 outstanding
-    assert actor.admit(pipe, st) and not actor.admit(pipe, actor.ActorState(**{**vars(st), "share": 4}))
+    assert actor.admit(pipe, st) and not actor.admit(pipe, actor.ActorState(**{**vars(st), "others_oldest": 5}))
     conv = cfg("actor.schedule=conventional", "actor.G_steps=4", "actor.max_lag=3")
     st = actor.ActorState(version=8, trained=8, started=28, share=8)
     assert actor.admit(conv, st) and (setattr(st, "started", 32) or not actor.admit(conv, st))
@@ -932,10 +938,59 @@ def test_admission_budgets_hand_worked():
     assert actor.admit(conv, st) and (setattr(st, "started", 16) or not actor.admit(conv, st))
     st.dropped = 4
     assert actor.admit(conv, st)
-    # B = 8 = two groups: one actor takes both, two one each, three: the first two one each
-    assert [actor.share_of(pipe, [7], 7)] == [8]
-    assert [actor.share_of(pipe, [3, 9], i) for i in (3, 9)] == [4, 4]
-    assert [actor.share_of(pipe, [5, 2, 8], i) for i in (2, 5, 8)] == [4, 4, 0]
+
+
+def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
+    """Two actor incarnations share the run's budget through a real store, as Actor.reserve,
+    Actor.publish_oldest and Actor.refresh_budget use it, and trainer.settle_samples (one rank, no process
+    group) publishes it. B = 8, max_lag = 1: 16 samples at once, whichever actor starts them. Incarnation
+    2's slow group of version 3 holds incarnation 1 at version 4 too: with a budget of its own (its
+    oldest version 4), it would start two more groups, the trainer would train version 4 and 5 on them and
+    the slow group's version-3 tokens at lag >= 2 (a run of two actors trained 4% of its tokens beyond
+    max_lag, up to 14 versions behind). Then incarnation 2 is lost: its samples never trained come back."""
+    import trainer
+    from types import SimpleNamespace
+    store = ws.create_store("127.0.0.1", 0, True, 30)
+    cfg = common.load_config(["trainer.batch_size=8", "actor.group_size=4", "actor.max_lag=1"])
+    cut = 1
+    store.set(f"budget/{cut}", "3 0 0")  # as WeightServer sets it at a cut: version 3, nothing consumed
+    store.add("actor/incarnations", 2)
+    actors = {}
+    for inc in (1, 2):
+        st = actor.ActorState(version=3, inc=inc, group=1, cut=cut, cut_version=3, others=[3 - inc])
+        actors[inc] = SimpleNamespace(store=ws.create_store("127.0.0.1", store.port, False, 30), cfg=cfg,
+                                      st=st, published=None)
+        store.set(f"oldest/{inc}", f"{cut} 3")
+    for a in actors.values():
+        actor.Actor.refresh_budget(a)
+
+    def start(inc):  # Actor.admit_groups' check, then its count in the store
+        a = actors[inc]
+        if not (actor.admit(cfg, a.st) and actor.Actor.reserve(a)):
+            return False
+        a.st.groups[len(a.st.groups)] = actor.Group(version=a.st.version, left=4, engine=0)
+        return True
+    assert start(1) and start(2) and start(1) and start(2) and not start(1) and not start(2)
+    assert int(store.add(f"budget/{cut}/started", 0)) == 16  # the refused ones uncounted
+    # version 3 trained on incarnation 1's 8; incarnation 2's second group (1) is slow: in flight at version 3
+    state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=torch.device("cpu")))
+    state.step = 4
+    trainer.settle_samples(state, [{"inc": 1, "cut": cut, "seq": s} for s in range(8)], store, {1: 1, 2: 2}, cut)
+    actors[1].st.groups = {}
+    del actors[2].st.groups[0]
+    for a in actors.values():
+        a.st.version = 4
+        actor.Actor.publish_oldest(a)
+    assert store.get("oldest/1") == f"{cut} 4".encode() and store.get("oldest/2") == f"{cut} 3".encode()
+    actor.Actor.refresh_budget(actors[1])
+    assert actors[1].st.others_oldest == 3 and not start(1)  # (3 - 4 + 1 + 1) * 8 = 8 = outstanding
+    actors[1].st.others_oldest = None
+    assert actor.admit(cfg, actors[1].st)  # what its own oldest alone would allow
+    # incarnation 2 lost: a group without it; its 8 samples not trained come back, 16 may start at version 4
+    trainer.settle_samples(state, [], store, {1: 1}, cut)
+    actors[1].st.others = []
+    actor.Actor.refresh_budget(actors[1])
+    assert actors[1].st.dropped == 8 and all(start(1) for _ in range(4)) and not start(1)
 
 
 # --- `python actor.py` as a process ---------------------------------------------------------------------

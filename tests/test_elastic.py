@@ -127,14 +127,9 @@ def test_an_actor_the_verifier_and_the_trainer_die_and_come_back(tiny_model_dir,
     assert [r["step"] for r in kept] == list(range(1, total + 1))
     def lags(rows):  # one per token
         return [r["trainer_version"] - v for r in rows for runs in r["version_runs"] for v, n in runs for _ in range(n)]
-    assert min(lags(kept)) >= 0
-    # The lag bound is exact with one actor: while node 2 was away (after its loss was handled, before its
-    # return), node 1's incarnation held the whole budget. With two, each incarnation's budget is its own
-    # (actor.admit: approximate when they run at different speeds); the share beyond it is printed below.
-    when = {r["step"]: r["time"] for r in read_jsonl(run_dir / "metrics_trainer.jsonl") if "trainer/loss" in r}
-    alone = [r for r in kept if killed + 10 <= when.get(r["step"], 0) <= returned]
-    assert alone and max(lags(alone)) <= MAX_LAG, max(lags(alone or kept))
-    beyond = sum(lag > MAX_LAG for lag in lags(kept)) / len(lags(kept))
+    # one budget for the run, whatever the actors (actor.admit): with one each, 4% of a run's tokens were
+    # trained beyond max_lag, up to 14 versions behind
+    assert 0 <= min(lags(kept)) and max(lags(kept)) <= MAX_LAG, (min(lags(kept)), max(lags(kept)))
     trained = collections.Counter(g for r in kept for g in r["group_ids"])
     assert set(trained.values()) == {GROUP}, "a group trained twice, or in part"
 
@@ -172,5 +167,4 @@ def test_an_actor_the_verifier_and_the_trainer_die_and_come_back(tiny_model_dir,
     print(f"\n[elastic] steps/s: before the loss {rate(first, killed):.2f}, during "
           f"{rate(killed, returned):.2f}, with node 2 back {rate(rejoined, rejoined + 10):.2f}; the survivor's "
           f"next update {next_update - killed:.1f} s after the death; node 2's new incarnation trained "
-          f"{rejoined - returned:.0f} s after its command (engine start included); tokens beyond max_lag with two "
-          f"actors: {beyond:.1%} (largest lag {max(lags(kept))})")
+          f"{rejoined - returned:.0f} s after its command (engine start included); largest lag {max(lags(kept))}")

@@ -75,7 +75,7 @@ def _rank(rank, world, port, tmp, store_port, samples_port, run, steps, drop_ran
             sock.close(linger=0)
             sock = _pull_socket(addr)
         if step < steps:
-            trainer.settle_samples(state, samples, store, CUT)
+            trainer.settle_samples(state, samples, store, set(range(1, PROCS + 1)), CUT)
     store.set(f"test/received/{run}/{rank}", json.dumps(report))
     sock.close()
     dist.destroy_process_group()
@@ -176,7 +176,8 @@ def test_settle_judges_each_process_from_its_first_seq_received(tmp_path):
     dropped = lambda: [int(store.add(f"dropped/{p}/{CUT}", 0)) for p in range(PROCS)]  # noqa: E731
 
     def settle(*pairs):
-        trainer.settle_samples(state, [{"inc": p, "cut": CUT, "seq": s} for p, s in pairs], store, CUT)
+        trainer.settle_samples(state, [{"inc": p, "cut": CUT, "seq": s} for p, s in pairs], store,
+                               set(range(PROCS)), CUT)
     settle((0, 10), (0, 12), (0, 13), (1, 5))  # 0-9 of process 0, 0-4 of process 1: sent before this trainer
     assert dropped() == [1, 0, 0]  # process 0's 11
     settle((0, 16), (1, 8), (0, 17))

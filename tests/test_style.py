@@ -16,8 +16,8 @@ CORE = ["actor.py", "trainer.py", "verifier.py", "weights_sync.py", "loss.py", "
 # the core's lines of code: "the whole algorithm in ~2k lines". 2,400 once a run survives a role's death
 # (the store's process, the elastic weight group, incarnations and cuts); over it by the engine's update path
 # (in place, the decode-step clock on CUDA events, engines' own seeds: +121 lines) and gloo's waits that
-# give up an abandoned group (+17), said so in the README.
-CODE_LINES_BUDGET = 2545
+# give up an abandoned group (+21) and one lag budget shared by all actors (+25), said so in the README.
+CODE_LINES_BUDGET = 2570
 MAX_COLUMNS = 100
 MAX_WIDE_SHARE = 0.02  # of the core's lines (nanoGPT: 1.5% over 110 columns; CleanRL ~1%)
 
