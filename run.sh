@@ -168,6 +168,9 @@ while true; do
   for role in "${!PIDS[@]}"; do
     if ! kill -0 "${PIDS[$role]}" 2>/dev/null; then
       wait "${PIDS[$role]}" && rc=0 || rc=$?
+      # what it left behind (its process group: a SIGKILLed actor's vLLM engine core lived on, holding
+      # its memory, and on a GPU its device memory, for good)
+      kill -KILL -- "-${PIDS[$role]}" 2>/dev/null || true
       if [[ "$role" == "$MAIN" && $rc == 0 ]]; then
         sleep 1; stop_all
         echo "[run.sh] done: $MAIN finished; run directory: $RUN_DIR"

@@ -3,6 +3,7 @@ resume, two "nodes" on loopback, the GPU recipe's keys on CPU, and the README's 
 
 Run: bash run.sh test tests/test_e2e.py      (6-8 minutes on 2 cores)
 """
+import collections
 import json
 import math
 import os
@@ -290,6 +291,13 @@ def _descendants(pid):
         return []
 
 
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def _role_pid(run_dir, role):
     return json.loads((Path(run_dir) / f"run_info_{role}.json").read_text())["pid"]
 
@@ -350,6 +358,41 @@ def test_killed_trainer_restarts_from_its_checkpoint(tiny_model_dir, tmp_path):
     trained = {g for r in kept for g in r["group_ids"]}
     meta = json.loads((run_dir / "checkpoints" / f"step-{resumed_at}" / "trainer_state.json").read_text())
     assert set(range(meta["max_group_id"] + 1)) <= trained, sorted(set(range(meta["max_group_id"] + 1)) - trained)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_an_actor_killed_at_a_seeded_step_comes_back(tiny_model_dir, tmp_path, seed):
+    """Kill points drawn by a seed: the run's only actor is SIGKILLed once the trainer has made k steps,
+    k from random.Random(seed) in [2, 40]; run.sh starts it again (run.max_restarts) as a new incarnation,
+    the trainer waits for it (no actor: up to run.peer_timeout_s) and the run completes. From its files:
+    steps 1..N once each (the trainer never restarted), every trained group whole and trained once, every
+    token's lag in [0, max_lag], the new incarnation trained on, and none of its groups lost: each one it
+    started max_lag + 2 versions before the end was trained. Nothing of the killed process lives on."""
+    import random
+    kill_at = random.Random(seed).randint(2, 40)
+    run_dir = tmp_path / "run"
+    steps = kill_at + 60
+    proc = start(short_config(tiny_model_dir, run_dir, **{"trainer.max_steps": steps, "trainer.checkpoint_every": 0}))
+    wait_for(lambda: len(trainer_steps(run_dir)) >= kill_at, 300, proc, f"step {kill_at}")
+    killed = _role_pid(run_dir, "actor")  # its process group's id too (run.sh starts each role with setsid)
+    os.kill(killed, signal.SIGKILL)
+    rc, out = finish(proc, timeout=400)
+    assert rc == 0 and "role 'actor' exited with code 137; starting it again (1 of" in out, out[-6000:]
+    # nothing of the killed actor lives on (its vLLM engine core did, for good, holding its memory)
+    left = [p for p in psutil.process_iter(["pid", "name"]) if _pgid(p.pid) == killed]
+    assert not left, left
+    records = read_jsonl(run_dir / "samples_trainer.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    lags = [r["trainer_version"] - v for r in records for runs in r["version_runs"] for v, _ in runs]
+    assert 0 <= min(lags) and max(lags) <= MAX_LAG, (min(lags), max(lags))
+    trained = collections.Counter(g for r in records for g in r["group_ids"])
+    assert set(trained.values()) == {4}, "a group trained twice, or in part"
+    assert {i for r in records for i in r["incs"]} == {1, 2}, "the new incarnation was not trained on"
+    final = records[-1]["trainer_version"]
+    started = [(g, r["actor/version"]) for r in read_jsonl(run_dir / "metrics_actor.jsonl")
+               if r.get("actor/inc") == 2 for g in r["actor/group_ids"]]
+    missing = [g for g, v in started if v + MAX_LAG + 2 < final and g not in trained]
+    assert started and not missing, missing
 
 
 def test_run_dir_resume_takes_the_newest_run_and_a_used_run_dir_is_refused(tmp_path, monkeypatch):
