@@ -716,10 +716,10 @@ class Actor:
     def publish_oldest(self):
         """Tell the other members the oldest version this incarnation has in flight, when it grew
         (`admit`; WeightServer sets a member's first, at or below any version it will start)."""
-        st = self.st
-        if st.group is not None and oldest(st) != self.published:
-            self.published = oldest(st)
-            self.store.set(f"oldest/{st.inc}", f"{st.cut} {self.published}")
+        st, now = self.st, oldest(self.st)
+        if st.group is not None and now != self.published:
+            self.published = now
+            self.store.set(f"oldest/{st.inc}", f"{st.cut} {now}")
 
     def next_group(self) -> int:
         """The next group id: first the trainer's list of groups to do again (redo/<epoch>: in

@@ -786,7 +786,8 @@ def settle_samples(state, samples, store, members, cut):
     read them there); (2) publishes with this version the samples trained since the cut and those
     a lost incarnation (not a member) started that were neither trained nor dropped: all of them
     given back too, the actors' admission budget (actor.admit). A sample a rank trains after that
-    (its view of the group is up to a second old) is no longer counted given back the next step. The verifier numbers each incarnation's samples of a cut in send order (`seq`), and a ZMQ
+    (its view of the group is up to a second old) is no longer counted given back the next step.
+    The verifier numbers each incarnation's samples of a cut in send order (`seq`), and a ZMQ
     pipe is first in, first out (a reconnected rank's new one carries newer seqs): once every rank
     has received a sample of an incarnation numbered above s, its sample s never arrives (a rank's
     connection dropped with it queued, or it came malformed). Judged from the first seq of the cut

@@ -150,9 +150,9 @@ def wait(work, pg):
             time.sleep(0.0002)
     try:
         work.wait()
+    except dist.DistError:
+        raise
     except RuntimeError as e:
-        if isinstance(e, dist.DistError):
-            raise
         raise dist.DistError(f"the operation failed: {e}") from e
 
 def _device(pg) -> torch.device:
