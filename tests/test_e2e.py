@@ -21,13 +21,14 @@ import loss
 from conftest import REPO, free_port, hf_greedy, read_jsonl, vllm_greedy
 
 MAX_LAG = 2
+GROUP_SIZE = 4
 
 
 def short_config(model_dir, run_dir, **extra):
     """A few steps of the whole pipeline on a random tiny model, on free ports."""
     sync_port = free_port()
     kv = {"model.path": model_dir, "run.dir": run_dir, "trainer.max_steps": 4, "trainer.batch_size": 16,
-          "actor.group_size": 4, "actor.max_tokens": 24, "actor.max_lag": MAX_LAG, "actor.max_inflight": 32,
+          "actor.group_size": GROUP_SIZE, "actor.max_tokens": 24, "actor.max_lag": MAX_LAG, "actor.max_inflight": 32,
           "actor.eval_every": 2, "data.test_size": 16, "trainer.checkpoint_every": 2,
           "run.peer_timeout_s": 120, "sync.port": sync_port, "ports.rollouts": free_port(),
           "ports.samples": free_port(), "run.log_every": 0.5}
@@ -298,6 +299,12 @@ def _pgid(pid):
         return None
 
 
+def assert_lags_within_max_lag(records):
+    """Every trained token's lag (the trainer's version - the version that sampled it) in [0, MAX_LAG]."""
+    lags = [r["trainer_version"] - v for r in records for runs in r["version_runs"] for v, _ in runs]
+    assert 0 <= min(lags) and max(lags) <= MAX_LAG, (min(lags), max(lags))
+
+
 def _role_pid(run_dir, role):
     return json.loads((Path(run_dir) / f"run_info_{role}.json").read_text())["pid"]
 
@@ -353,8 +360,7 @@ def test_killed_trainer_restarts_from_its_checkpoint(tiny_model_dir, tmp_path):
     cut = max(i for i, r in enumerate(records) if r["step"] == resumed_at + 1)
     kept = [r for r in records[:cut] if r["step"] <= resumed_at] + records[cut:]
     assert [r["step"] for r in kept] == list(range(1, steps + 1))
-    lags = [r["trainer_version"] - v for r in kept for runs in r["version_runs"] for v, _ in runs]
-    assert 0 <= min(lags) and max(lags) <= MAX_LAG, (min(lags), max(lags))
+    assert_lags_within_max_lag(kept)
     trained = {g for r in kept for g in r["group_ids"]}
     meta = json.loads((run_dir / "checkpoints" / f"step-{resumed_at}" / "trainer_state.json").read_text())
     assert set(range(meta["max_group_id"] + 1)) <= trained, sorted(set(range(meta["max_group_id"] + 1)) - trained)
@@ -383,10 +389,9 @@ def test_an_actor_killed_at_a_seeded_step_comes_back(tiny_model_dir, tmp_path, s
     assert not left, left
     records = read_jsonl(run_dir / "samples_trainer.jsonl")
     assert [r["step"] for r in records] == list(range(1, steps + 1))
-    lags = [r["trainer_version"] - v for r in records for runs in r["version_runs"] for v, _ in runs]
-    assert 0 <= min(lags) and max(lags) <= MAX_LAG, (min(lags), max(lags))
+    assert_lags_within_max_lag(records)
     trained = collections.Counter(g for r in records for g in r["group_ids"])
-    assert set(trained.values()) == {4}, "a group trained twice, or in part"
+    assert set(trained.values()) == {GROUP_SIZE}, "a group trained twice, or in part"
     assert {i for r in records for i in r["incs"]} == {1, 2}, "the new incarnation was not trained on"
     final = records[-1]["trainer_version"]
     started = [(g, r["actor/version"]) for r in read_jsonl(run_dir / "metrics_actor.jsonl")
