@@ -44,6 +44,7 @@ from datetime import timedelta
 import numpy as np
 
 import common
+import elastic
 import weights_sync as ws
 from tasks import format_prompt, load_tasks
 
@@ -293,6 +294,9 @@ def token_lags(version: int, versions):
 
 # --- announcements: a thread blocks on the store, the loop is woken -------------------------------
 
+import torch.distributed  # noqa: E402 - the store's errors (vLLM imports torch anyway)
+
+
 class Announcements:
     """Waits in a thread, on its own store connection (no polling), for `announce/<n>`, n = first,
     first+1, ... `pending`: values not yet handled, oldest first (a version is one broadcast the
@@ -311,13 +315,27 @@ class Announcements:
             value = None
             while value != "done":
                 key = f"announce/{self.next}"
+                try:
+                    # returns the moment the trainer sets it
+                    self.store.wait([key], timedelta(seconds=1))
+                except torch.distributed.DistStoreError:  # not yet set: still to come?
+                    if not self._skipped(key):
+                        continue
+                    value = None
+                else:
+                    value = self.store.get(key).decode()
+                    self._tell(self.pending.append, value)
                 self.next += 1
-                # returns the moment the trainer sets it
-                self.store.wait([key], timedelta(days=365))
-                value = self.store.get(key).decode()
-                self._tell(self.pending.append, value)
         except Exception as e:  # noqa: BLE001
             self._tell(setattr, self, "error", e)
+
+    def _skipped(self, key) -> bool:
+        """A later number is counted and this one's key is still missing a second later: its
+        trainer died between counting it and setting it (WeightSender.announce)."""
+        if int(self.store.add("announced", 0)) <= self.next:
+            return False
+        time.sleep(1.0)
+        return not self.store.check([key])
 
     def _tell(self, *call):
         # RuntimeError: the actor ended first; its loop is closed, there is no one to tell
@@ -329,9 +347,9 @@ class Announcements:
 
 @dataclass
 class Group:
-    """A training group in flight."""
+    """A training group in flight: until the verifier has forwarded it (`admit`)."""
     version: int  # the actor's version when the group started
-    left: int     # samples not yet finished
+    left: int     # samples not yet pushed
     engine: int   # the engine its samples run on
 
 @dataclass
@@ -348,13 +366,16 @@ class ActorState:
     cut_version: int = 0
     # its part of B among the group's members (the samples its first evaluation waits for)
     share: int = 0
-    # the run's budget, all incarnations together, since the cut (`admit`): samples started
-    # (budget/<cut>/started), given back, consumed by the trainer by its version `trained`, as
-    # last read (`Actor.refresh_budget`)
+    # the run's budget, all incarnations together, since the cut (`admit`): samples started,
+    # given back (returned), consumed by the trainer by its version trainer_version, as last read
+    # (elastic.read_budget); whether the trainer has published this cut's budget yet
     started: int = 0
-    dropped: int = 0
+    returned: int = 0
     consumed: int = 0
-    trained: int = 0
+    trainer_version: int = 0
+    budget_ready: bool = False
+    # the trainer's ids to generate again in this cut (elastic.take_group_id; None: not read yet)
+    redo: list = None
     # the group's other members, and the oldest version any of them has in flight (oldest/<inc>)
     others: list = field(default_factory=list)
     others_oldest: int = None
@@ -362,7 +383,7 @@ class ActorState:
     pushed: int = 0
     # training samples being generated
     inflight: int = 0
-    # group_id -> Group
+    # group_id -> Group: generating, or pushed and not yet forwarded by the verifier
     groups: dict = field(default_factory=dict)
     updates: int = 0
     # time the lag budget, not capacity, kept free slots empty
@@ -378,26 +399,30 @@ def admit(cfg, st: ActorState) -> bool:
     <= (u_min - t + max_lag + 1) * B, where outstanding = started - dropped - consumed (since the
     cut, all incarnations: samples started and not yet trained on, nor given back), t the trainer's
     version when it had consumed `consumed` of them, u_min the oldest start version in flight in
-    any member. The trainer consumes B samples a step in arrival order, so the k-th sample to
-    arrive after version t is trained on by version t + floor(k/B). A group started at version u is
-    in flight until its last sample arrives (the verifier forwards whole groups), so every admission
-    up to then, its own included and any actor's, saw u_min <= u: at most (u - t + max_lag + 1)*B
-    samples arrive by then, so it is trained on by version <= u + max_lag, and its tokens were
-    sampled by versions >= u. Stale reads only make admission more cautious: `started` is a counter
-    each admission adds to before it counts (`Actor.reserve`), the trainer publishes (t, consumed,
-    given back) at once, and a member's published oldest version only grows. A sample given back is
-    never consumed: dropped on the way, or a lost incarnation's never trained (trainer.py
-    settle_samples). Nothing stalls: once the groups in flight finish, u_min is the current version
-    and the budget covers the trainer's next step. With several actors a slow one's old group holds
-    every actor's admission, as it must: the trainer would otherwise train past it.
+    any member. The trainer consumes B samples a step in the order the verifier forwards them, so
+    the k-th sample forwarded after version t is trained on by version t + floor(k/B). A group
+    started at version u stays in flight until the verifier has forwarded it whole (however the
+    verifier's workers reorder groups), so every admission up to then, its own included and any
+    actor's, saw u_min <= u: at most (u - t + max_lag + 1)*B samples are forwarded up to it, so it
+    is trained on by version <= u + max_lag, and its tokens were sampled by versions >= u. Stale
+    reads only make admission more cautious: `started` is a counter each admission adds to before
+    it counts (elastic.reserve), the trainer publishes (t, consumed, returned) at once, and a
+    member's published oldest version only grows. A sample given back is never consumed: dropped
+    on the way, or a lost incarnation's never trained (elastic.Ledger). Nothing stalls: once the
+    groups in flight are forwarded, u_min is the current version and the budget covers the
+    trainer's next step. With several actors a slow one's old group holds every actor's
+    admission, as it must: the trainer would otherwise train past it.
     Conventional: B*G_steps samples per RL step (fewer for the first after resuming mid-RL-step),
     then wait for the next weights."""
     a, gs, b = cfg.actor, cfg.actor.group_size, cfg.trainer.batch_size
-    outstanding = st.started - st.dropped - st.consumed
+    if not st.budget_ready:
+        return False
+    outstanding = st.started - st.returned - st.consumed
+    t = st.trainer_version
     if a.schedule == "conventional":
-        return outstanding + gs <= (a.G_steps - st.trained % a.G_steps) * b
+        return outstanding + gs <= (a.G_steps - t % a.G_steps) * b
     u_min = oldest(st) if st.others_oldest is None else min(oldest(st), st.others_oldest)
-    return outstanding + gs <= (u_min - st.trained + a.max_lag + 1) * b
+    return outstanding + gs <= (u_min - t + a.max_lag + 1) * b
 
 def oldest(st: ActorState) -> int:
     """The oldest version this incarnation has in flight (its own version when none)."""
@@ -428,9 +453,8 @@ class Actor:
         # the evaluation pass running (or done), and the version it started at
         self.eval_task, self.last_eval = None, None
         self.updating = None
-        # the weight group joined whose first weights have yet to arrive; the trainer's list of
-        # groups to do again (next_group; None: not read yet)
-        self.joining = self.redo = None
+        # the weight group joined whose first weights have yet to arrive
+        self.joining = None
         self.published = None  # the oldest version in flight the other members were told of
         self.last_log = time.time() - cfg.run.log_every  # the first pass logs (and beats)
         self.last_tick = None
@@ -454,7 +478,9 @@ class Actor:
             if announcements.pending[:1] == ["done"]:  # the trainer's last step: a normal end
                 # the update in progress, and the evaluation (a short run's only one) finish first
                 await asyncio.gather(*(t for t in (self.updating, self.eval_task) if t))
-                self.log(final=True)  # the last window (a short run's only updates may be in it)
+                await self.drop_all()
+                # the last window (a short run's only updates, and the groups given up, in it)
+                self.log(final=True)
                 # the trainer waits for every actor to see this (its last metrics written)
                 self.store.add("done_ack", 1)
                 break
@@ -491,7 +517,7 @@ class Actor:
     def register(self):
         """A new incarnation of this actor in the store (actor/incarnations): the trainer takes it
         into the next weight group once it beats (alive/<inc>, `log`)."""
-        self.st.inc = int(self.store.add("actor/incarnations", 1))
+        self.st.inc = elastic.register(self.store)
         self.st.group = self.joining = None
         self.was_member = False
         self.beat()
@@ -502,7 +528,7 @@ class Actor:
         """Cancel every request in flight (vLLM aborts them) and wait for their tasks: a cut, an
         exclusion, or the end. Their budget goes with the accounting they belonged to."""
         # the groups given up (tests/test_elastic.py checks every id's fate)
-        self.note(groups_given_up=list(self.st.groups))
+        self.note(groups_given_up=[gid for gid, g in self.st.groups.items() if g.left])
         # forgotten first: the loop must not read a cancelled evaluation as failed
         tasks = [x for x in (self.eval_task, self.updating) if x] + list(self.tasks)
         self.tasks, self.eval_task = set(), None
@@ -554,15 +580,16 @@ class Actor:
         info = json.loads(self.store.get(f"group/{g}"))
         members = {int(inc): first for inc, first in info["members"].items()}
         if st.inc not in members:
-            # was in one (its receive may have failed since, leaving it paused): excluded
-            if self.was_member:
+            # was in one (its receive may have failed since, leaving it paused), or counted lost
+            # before it met in its first: excluded
+            if self.was_member or elastic.excluded(info, st.inc):
                 await self.drop_all()
                 self.register()
             return
         if info["cut"] != st.cut or info["epoch"] != st.epoch:
             await self.drop_all()
             st.cut, st.cut_version = info["cut"], info["version"]
-            self.redo = None if info["epoch"] != st.epoch else self.redo
+            st.redo, st.budget_ready = None, False
             st.epoch = info["epoch"]
         st.share = cfg.trainer.batch_size // len(members)
         st.others = sorted(set(members) - {st.inc})
@@ -651,16 +678,19 @@ class Actor:
         held = "capacity"
         while st.inflight + gs <= cfg.actor.max_inflight * len(self.engines):
             ok = admit(cfg, st)
-            # budget spent: were samples trained or given back since we last looked?
+            # budget spent: were samples trained, forwarded or given back since we last looked?
             if not ok and now - self.drops_checked > 0.05:
                 self.drops_checked = now
                 self.refresh_budget()
                 ok = admit(cfg, st)
-            if not (ok and self.reserve()):
+            if not (ok and elastic.reserve(self.store, st, gs, lambda st: admit(cfg, st))):
                 blocked = not conventional
                 held = "rl_step" if conventional else "lag"
                 break
-            gid = self.next_group()
+            gid = elastic.take_group_id(self.store, st)
+            if gid is None:  # a cut came: the group that says so is on its way
+                blocked, held = True, "lag"
+                break
             self.note(group_ids=gid)
             problem = self.stream.get(gid)
             # tokenized once per group
@@ -684,34 +714,14 @@ class Actor:
             self.admission_since = now
         return blocked
 
-    def reserve(self) -> bool:
-        """Count one more group in the run's budget (budget/<cut>/started), then check `admit`
-        with every admission before it counted, any actor's; over budget: uncount it. Then this
-        incarnation's own count (budget/<cut>/started/<inc>: what the trainer gives back if it is
-        lost; counted after, so a death in between loses budget rather than exceeds it)."""
-        st, gs = self.st, self.cfg.actor.group_size
-        st.started = int(self.store.add(f"budget/{st.cut}/started", gs)) - gs
-        if not admit(self.cfg, st):
-            st.started = int(self.store.add(f"budget/{st.cut}/started", -gs))
-            return False
-        st.started += gs
-        self.store.add(f"budget/{st.cut}/started/{st.inc}", gs)
-        return True
-
     def refresh_budget(self):
-        """The run's budget: samples started; trained by the trainer's version `trained`, and
-        given back by lost incarnations, as the trainer last published them (budget/<cut>:
-        "version consumed lost", each step; WeightServer sets it at a cut); dropped on the way by
-        the members (dropped/<inc>/<cut>, read here: the trainer may be waiting for their
-        replacements); the oldest version each other member has in flight (oldest/<inc>: "cut
-        version"; one of an earlier cut: this cut's first)."""
-        st, store = self.st, self.store
-        st.started = int(store.add(f"budget/{st.cut}/started", 0))
-        st.trained, st.consumed, lost = map(int, store.get(f"budget/{st.cut}").split())
-        st.dropped = lost + sum(int(store.add(f"dropped/{i}/{st.cut}", 0)) for i in [st.inc, *st.others])
-        values = [v.decode().split() for v in store.multi_get([f"oldest/{i}" for i in st.others])]
-        st.others_oldest = min((int(v) if int(c) == st.cut else st.cut_version for c, v in values),
-                               default=None)
+        """The run's budget as last published (elastic.read_budget), after letting the groups the
+        verifier has forwarded leave u_min."""
+        st = self.st
+        pushed = [gid for gid, g in st.groups.items() if g.left == 0]
+        for gid in elastic.forwarded_groups(self.store, st, pushed) if pushed else []:
+            del st.groups[gid]
+        st.budget_ready = elastic.read_budget(self.store, st)
 
     def publish_oldest(self):
         """Tell the other members the oldest version this incarnation has in flight, when it grew
@@ -719,21 +729,7 @@ class Actor:
         st, now = self.st, oldest(self.st)
         if st.group is not None and now != self.published:
             self.published = now
-            self.store.set(f"oldest/{st.inc}", f"{st.cut} {now}")
-
-    def next_group(self) -> int:
-        """The next group id: first the trainer's list of groups to do again (redo/<epoch>: in
-        flight at its checkpoint), each taken by one actor (a counter), then a new id from the
-        run's counter: never one id twice, whatever restarts."""
-        if self.redo is None:
-            listed = self.store.get(f"redo/{self.st.epoch}").decode()
-            self.redo = [int(g) for g in listed.split(",") if g]
-        if self.redo:
-            k = int(self.store.add(f"redo/{self.st.epoch}/taken", 1)) - 1
-            if k < len(self.redo):
-                return self.redo[k]
-            self.redo = []
-        return int(self.store.add("groups/next", 1)) - 1
+            elastic.publish_oldest(self.store, st, now)
 
     async def sample(self, e, problem, prompt, gid, k, params, evaluation=False):
         """One attempt: generate (across any number of updates), push, release its slot."""
@@ -759,9 +755,8 @@ class Actor:
         finally:
             if not evaluation:
                 st.inflight -= 1
+                # the group stays in u_min until the verifier has forwarded it (refresh_budget)
                 st.groups[gid].left -= 1
-                if st.groups[gid].left == 0:
-                    del st.groups[gid]
             self.wake.set()
 
     def note(self, **values):
@@ -772,8 +767,7 @@ class Actor:
     def beat(self):
         """The heartbeat: weights_sync.WeightServer counts an incarnation lost when it stops
         changing for run.heartbeat_timeout_s (`log` rewrites it every run.log_every)."""
-        self.store.set(f"alive/{self.st.inc}",
-                       f"{time.time():.1f} process {self.proc} on {os.uname().nodename}")
+        elastic.beat(self.store, self.st.inc, f"process {self.proc} on {os.uname().nodename}")
 
     def log(self, final: bool = False):
         now, st = time.time(), self.st
@@ -801,7 +795,7 @@ class Actor:
             "update_stall_s": mean("stall_s", None),
             "update_stall_wire_load_s": mean("stall_wire_load_s", None),
             "admission_blocked_s": st.blocked_s - self.blocked_at_log,
-            "started": st.started_total, "pushed": st.pushed, "dropped": st.dropped,
+            "started": st.started_total, "pushed": st.pushed, "returned": st.returned,
             "inc": st.inc, "group": st.group, "cut": st.cut, "share": st.share,
             # the group ids started in this window, and given up (each id's fate: test_elastic.py)
             "group_ids": st.window.get("group_ids", []),

@@ -281,7 +281,7 @@ _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, 
             "eval": bool}
 _ARRAYS = dict(prompt_ids="int32", completion_ids="int32", logprobs="float32", versions="int32")
 # seq: the verifier's count of incarnation inc's samples of a cut, in send order
-# (trainer.settle_samples)
+# (elastic.Ledger.settle)
 _SAMPLE = {**_ROLLOUT, "reward": float, "status": str, "advantage": float, "seq": int}
 SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS), "sample": (_SAMPLE, _ARRAYS)}
 # Size caps. A header is ~300 bytes (a long math answer adds a few KiB). A frame is one sequence's

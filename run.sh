@@ -180,6 +180,12 @@ while true; do
       if [[ "$role" != "$MAIN" && $rc == 0 ]]; then   # e.g. the actor saw the trainer's "done" first
         unset "PIDS[$role]"; continue
       fi
+      if (( rc == 3 )); then   # elastic.STORE_LOST: nothing on this node can go on without the store
+        echo "[run.sh] FAILED: role '$role' lost the run's store (weights_sync.py on node 0, sync.host:" \
+             "sync.port); stopping this node's roles" >&2
+        stop_all
+        exit 1
+      fi
       n=${RESTARTS[$role]:-0}
       if [[ "$role" != store ]] && (( n < MAX_RESTARTS )); then
         RESTARTS[$role]=$(( n + 1 ))

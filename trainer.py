@@ -10,7 +10,7 @@ Produces  (1) the weights after every optimizer step (every actor.G_steps, conve
           optim-rank{r}.pt, trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and
           samples_trainer.jsonl (rank 0's sequences per step: group ids, incarnations, per-token
           versions run-length coded [v, n]); (4) once a step, the samples trained and given
-          back, the actors' admission budget (settle_samples: budget/<cut>).
+          back, the actors' admission budget (elastic.Ledger: budget/<cut>).
 Run alone (the run's store at sync.host:sync.port, `python weights_sync.py`; a verifier pushes
 samples, the actors' vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import common
+import elastic
 import loss
 import weights_sync
 
@@ -391,23 +392,19 @@ class TrainState:
     fsdp: FSDP
     step: int = 0  # optimizer steps taken = version of the current weights
     max_group_id: int = -1  # largest group_id trained on, all ranks
-    # every group id below this was trained on (all ranks; kept by checkpoints)
+    # rank 0, kept by checkpoints: every group id below trained_below was trained on (any rank),
+    # and the ids above it that were
     trained_below: int = 0
-    trained: set = field(default_factory=set)  # ids >= trained_below this rank trained on
+    trained: set = field(default_factory=set)
     # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
     skipped: int = 0
+    epoch: int = 0  # this trainer's start (store counter trainer/epoch): its timeline of steps
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
-    # samples of a lost actor incarnation, or of a group started before the cut (pull_samples)
+    # samples of a lost actor incarnation, or of a group started before the cut (take_batch)
     discarded: int = 0
     alone_since: float = None  # when this rank saw the weight group without actors (pull_samples)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
-    # rank 0 (settle_samples), since the cut `cut`: actor incarnation -> seqs received from its
-    # watermark on, samples trained; each rank's highest seq of each ((rank, inc) -> seq)
-    cut: int = None
-    received: dict = field(default_factory=dict)
-    consumed: dict = field(default_factory=dict)
-    highest: dict = field(default_factory=dict)
     # this rank's timeline (main sets it; run.trace): a disabled one records nothing
     events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
 
@@ -434,6 +431,7 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
                 torch.cuda.set_rng_state(sds[0]["rng_cuda"])
         for key in ("step", "max_group_id", "samples", "skipped"):  # saved under their names
             setattr(state, key, meta[key])
+        state.epoch = meta.get("epoch", 0)
         # older checkpoints: none
         state.trained_below = meta.get("trained_below", state.max_group_id + 1)
         state.trained = set(meta.get("trained_above", []))
@@ -556,7 +554,6 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     lag_max, neg_lag_min, max_group = all_max(
         [lags.max(initial=-10**9), -lags.min(initial=10**9), last_group], device, torch.float64)
     state.max_group_id = max(state.max_group_id, int(max_group))
-    state.trained.update(int(s["group_id"]) for s in samples)
     state.samples += int(totals["sequences"])
     return step_metrics(totals, grad_norm, -neg_lag_min, lag_max, train_s, n_mb, state, skipped)
 
@@ -657,26 +654,17 @@ def complete_checkpoints(root) -> list:
 def latest_checkpoint(root):
     return (complete_checkpoints(root) or [None])[-1]
 
-def untrained(state) -> list:
-    """Group ids from trained_below up to max_group_id that are not in `trained`."""
-    return [i for i in range(state.trained_below, state.max_group_id + 1) if i not in state.trained]
-
-def untrained_groups(state) -> list:
-    """Group ids below max_group_id that no rank trained on: in flight (or dropped) when the
-    checkpoint was taken. Groups complete out of order, and the slow ones are the long
-    completions: a resume that went on after max_group_id alone would skip them for good. Also
-    prunes `trained` to the ids above the first one. All ranks call it (sync: all_gather_ints)."""
-    state.trained = set().union(*all_gather_ints(sorted(state.trained), state.fsdp.device))
-    missing = untrained(state)
-    state.trained_below = missing[0] if missing else state.max_group_id + 1
-    state.trained = {i for i in state.trained if i >= state.trained_below}
-    return missing
+def prune_trained(state):
+    """Move trained_below past the ids trained on, keeping `trained` to the ids above it."""
+    while state.trained_below in state.trained:
+        state.trained.discard(state.trained_below)
+        state.trained_below += 1
 
 def save_checkpoint(state, cfg, tokenizer=None) -> Path:
     """Atomic: everything goes into .tmp-step-N; COMPLETE is written last, then the directory is
     renamed."""
     from safetensors.torch import save_file
-    untrained_groups(state)  # all ranks: trained_below and trained, for the actor's resume
+    prune_trained(state)  # rank 0's: a resumed trainer generates the others again first
     root = cfg.run_dir / "checkpoints"
     final, tmp = root / f"step-{state.step}", root / f".tmp-step-{state.step}"
     if is_main():
@@ -708,6 +696,7 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
             {"step": state.step, "version": state.step, "max_group_id": state.max_group_id,
              "trained_below": state.trained_below, "trained_above": sorted(state.trained),
              "samples": state.samples, "skipped": state.skipped, "world_size": world(),
+             "epoch": state.epoch,
              "time": time.time()}))
     barrier()  # sync: every rank's optimizer shard is on disk before COMPLETE
     if is_main():
@@ -725,19 +714,21 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
 
 # --- samples --------------------------------------------------------------------------------------
 
-def pull_samples(sock, n, state, cfg, addr, vocab_size, view):
-    """Block until this rank holds n samples. -> (samples, seconds waited). `view()` -> (members,
-    cut) of the newest weight group: a sample of an actor incarnation that is not a member (lost),
-    or of a group started before the cut, is discarded and counted (`discarded`): WeightServer.
-    A malformed one (bad schema, non-finite numbers, ids outside the vocabulary) is dropped and
-    counted; no rank trains on its seq, so settle_samples finds it lost and gives it back."""
-    out, waited, last = [], 0.0, time.time()  # waited: seconds in sock.poll; last: the last arrival
-    while len(out) < n:
+def pull_samples(sock, n, pending, state, cfg, addr, vocab_size, members, on_wait):
+    """Block until this rank holds n samples in `pending` (appended to). -> seconds waited.
+    `members()`: the actor incarnations of the weight group, for messages (rank 0; others: None).
+    `on_wait()`: called about every 0.2 s while waiting (rank 0 keeps its books: drops and lost
+    actors reach the actors' budget without a step). A malformed sample (bad schema, non-finite
+    numbers, ids outside the vocabulary) is dropped and counted; no rank trains on its seq, so
+    elastic.Ledger.settle finds it lost and gives it back."""
+    waited, last = 0.0, time.time()  # waited: seconds in sock.poll; last: the last arrival
+    while len(pending) < n:
         t0 = time.time()
-        ready = sock.poll(1000)
+        ready = sock.poll(200)
         waited += time.time() - t0
-        members, cut = view()
-        if not members and time.time() - last > 5 and not state.alone_since:
+        on_wait()
+        who = members()
+        if who is not None and not who and time.time() - last > 5 and not state.alone_since:
             state.alone_since = time.time()
             print(f"[trainer] no actor in the weight group: waiting up to {cfg.run.peer_timeout_s:.0f}"
                   " s (run.peer_timeout_s) for one to join (actor.py, or run.sh on its node)",
@@ -745,8 +736,8 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, view):
         if not ready:
             if time.time() - last > cfg.run.peer_timeout_s:
                 sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
-                         f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(out)} of {n} "
-                         f"here; {waiting_for(members, cfg)}")
+                         f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(pending)} of "
+                         f"{n} here; {waiting_for(who, cfg)}")
             continue
         last = time.time()
         state.alone_since = None
@@ -760,72 +751,79 @@ def pull_samples(sock, n, state, cfg, addr, vocab_size, view):
             state.malformed += 1
             print(f"[trainer] rank {rank()}: dropped a malformed sample ({e})", flush=True)
             continue
-        if header["inc"] not in members or header["cut"] != cut:
-            state.discarded += 1
-            continue
-        out.append({**header, **arrays})
-    return out, waited
+        pending.append({**header, **arrays})
+    return waited
 
-def group_view(store):
-    """-> a function giving (members: actor incarnations, cut) of the newest weight group in the
-    store, read again at most once a second (trainer ranks > 0; rank 0 has its WeightServer's)."""
-    cached = [0.0, set(), None]
+def take_batch(sock, pending, want, share, state, cfg, addr, vocab_size, view, on_wait):
+    """This rank's `share` samples of the next optimizer step, all ranks together: pull until
+    `want` are here, then keep only the samples of the weight group's members and of its cut,
+    by one view for all ranks (rank 0's: `view()` -> (members, cut)); pull again while any rank
+    is short. Filtering at this point, not on arrival, is what makes the books exact: whole groups
+    go (a view does not change within a batch), and no sample of an incarnation the books gave
+    back as lost is trained after (rank 0 published with this view or an older one).
+    -> (samples, seconds waited)."""
+    device, waited = state.fsdp.device, 0.0
+    members = (lambda: view()[0]) if is_main() else (lambda: None)
+    while True:
+        waited += pull_samples(sock, want, pending, state, cfg, addr, vocab_size, members, on_wait)
+        # sync: rank 0's view to every rank (cut + 1: 0 for none yet)
+        mine = []
+        if is_main():
+            who, cut = view()
+            mine = [0 if cut is None else cut + 1, *who]
+        agreed = all_gather_ints(mine, device)[0] if world() > 1 else mine
+        cut, who = agreed[0] - 1 if agreed[0] else None, set(agreed[1:])
+        kept = [s for s in pending if s["inc"] in who and s["cut"] == cut]
+        state.discarded += len(pending) - len(kept)
+        pending[:] = kept
+        # sync: every rank has its share, or every rank pulls again
+        if all_max([share - len(pending)], device)[0] <= 0:
+            batch = pending[:share]
+            del pending[:share]
+            return batch, waited
+        want = share
 
-    def view():
-        if time.time() - cached[0] > 1.0:
-            g = int(store.add("group/count", 0))
-            info = json.loads(store.get(f"group/{g}")) if g else {"members": {}, "cut": None}
-            cached[:] = [time.time(), {int(i) for i in info["members"]}, info["cut"]]
-        return cached[1], cached[2]
-    return view
-
-def settle_samples(state, samples, store, members, cut):
-    """All ranks, once a step, with their share; rank 0 then (1) finds the samples the verifier
-    sent that never arrived intact at any rank, and counts them given back to the actor that
-    started them (dropped/<inc>/<cut>, where the verifier counts the groups it drops; the actors
-    read them there); (2) publishes with this version the samples trained since the cut and those
-    a lost incarnation (not a member) started that were neither trained nor dropped: all of them
-    given back too, the actors' admission budget (actor.admit). A sample a rank trains after that
-    (its view of the group is up to a second old) is no longer counted given back the next step.
-    The verifier numbers each incarnation's samples of a cut in send order (`seq`), and a ZMQ
-    pipe is first in, first out (a reconnected rank's new one carries newer seqs): once every rank
-    has received a sample of an incarnation numbered above s, its sample s never arrives (a rank's
-    connection dropped with it queued, or it came malformed). Judged from the first seq of the cut
-    received here: a restarted trainer, or a new cut, says nothing of what was sent before it."""
-    # sync: every rank's (incarnation, seq) pairs of this step's samples of this cut, flat
-    pairs = [v for s in samples if s["cut"] == cut for v in (int(s["inc"]), int(s["seq"]))]
-    gathered = all_gather_ints(pairs, state.fsdp.device)
+def settle(state, samples, books):
+    """All ranks, once a step: every rank's (incarnation, seq, group id) of the step's samples to
+    rank 0, which counts them trained (its books, and the ids a resumed trainer skips)."""
+    flat = [v for s in samples for v in (int(s["inc"]), int(s["seq"]), int(s["group_id"]))]
+    # sync: one all-gather (two all-reduces)
+    gathered = all_gather_ints(flat, state.fsdp.device) if world() > 1 else [flat]
     if not is_main():
         return
-    if cut != state.cut:  # new streams, counted from 0
-        state.cut, state.received, state.highest, state.consumed = cut, {}, {}, {}
-    for r, flat in enumerate(gathered):
-        for inc, seq in zip(flat[::2], flat[1::2]):
-            state.received.setdefault(inc, set()).add(seq)
-            state.highest[r, inc] = max(state.highest.get((r, inc), -1), seq)
-            state.consumed[inc] = state.consumed.get(inc, 0) + 1
-    for inc, received in state.received.items():
-        # every seq below it arrived or never will (-1 while a rank has none of inc's)
-        watermark = min(state.highest.get((r, inc), -1) for r in range(world()))
-        lost = [s for s in range(min(received), watermark) if s not in received]
-        state.received[inc] = {s for s in received if s >= watermark}
-        if lost:
-            store.add(f"dropped/{inc}/{cut}", len(lost))
-            print(f"[trainer] lost {len(lost)} samples of actor incarnation {inc}: given back",
-                  flush=True)
-    lost = 0  # (an incarnation not yet in a group has started nothing)
-    for inc in set(range(1, int(store.add("actor/incarnations", 0)) + 1)) - set(members):
-        lost += (int(store.add(f"budget/{cut}/started/{inc}", 0)) - state.consumed.get(inc, 0)
-                 - int(store.add(f"dropped/{inc}/{cut}", 0)))
-    store.set(f"budget/{cut}", f"{state.step} {sum(state.consumed.values())} {lost}")
+    pairs = []
+    for r, f in enumerate(gathered):
+        for inc, seq, gid in zip(f[0::3], f[1::3], f[2::3]):
+            pairs.append((r, inc, seq))
+            if gid >= state.trained_below:
+                state.trained.add(gid)
+    books.settle(pairs)
 
 def waiting_for(members, cfg) -> str:
-    """For the no-samples error: what to look at."""
-    who = (f"the weight group's actor incarnations {sorted(members)} are alive (heartbeats)"
-           if members else f"no actor has been alive for run.heartbeat_timeout_s="
-           f"{cfg.run.heartbeat_timeout_s:.0f} s: its node is down or unreachable, or actor.py died "
-           "there")
+    """For the no-samples error: what to look at (members None: not known on this rank)."""
+    if members is None:
+        who = "trainer rank 0's log says which actors are in the weight group"
+    elif members:
+        who = f"the weight group's actor incarnations {sorted(members)} are alive (heartbeats)"
+    else:
+        who = (f"no actor has been alive for run.heartbeat_timeout_s="
+               f"{cfg.run.heartbeat_timeout_s:.0f} s: its node is down or unreachable, or actor.py "
+               "died there")
     return f"{who}; is verifier.py running? (logs/verifier.log, logs/actor.log)"
+
+def write_samples(cfg, state, samples, epoch: int):
+    """This rank's samples of the step, for scripts/check_run.py and the figures: per sample its
+    group, index and incarnation, its tokens' versions run-length encoded ([[version, tokens]])."""
+    rle = [[[v, len(list(g))] for v, g in groupby(s["versions"].tolist())] for s in samples]
+    name = "samples_trainer.jsonl" if is_main() else f"samples_trainer.rank{rank()}.jsonl"
+    cut = int(samples[0]["cut"]) if samples else None
+    with open(cfg.run_dir / name, "a") as f:
+        f.write(json.dumps({"step": state.step, "trainer_version": state.step - 1, "epoch": epoch,
+                            "cut": cut, "rank": rank(),
+                            "group_ids": [int(s["group_id"]) for s in samples],
+                            "sample_idx": [int(s["sample_idx"]) for s in samples],
+                            "incs": [int(s["inc"]) for s in samples],
+                            "version_runs": rle}) + "\n")
 
 # --- main -----------------------------------------------------------------------------------------
 
@@ -861,19 +859,35 @@ def main():
             tokenizer = AutoTokenizer.from_pretrained(src)
 
     # --- weight group (trainer rank 0 + every live actor's workers): this version first ---
-    server, view = None, group_view(store)
+    server, books = None, None
+    epoch = int(store.add("trainer/epoch", 1)) if is_main() else 0
+    if is_main() and epoch <= state.epoch:  # a whole run resumed: a new store counts from 1 again
+        epoch = int(store.add("trainer/epoch", state.epoch + 1 - epoch))
+    state.epoch = epoch
     if is_main():
-        epoch = int(store.add("trainer/epoch", 1))
-        # Group ids come from one counter (groups/next): no id twice, whatever restarts. On resume,
-        # the groups below the last trained one that were not trained on (in flight when the
-        # checkpoint was taken) come first, each once (redo/<epoch>; actor.Actor.next_group).
-        store.set(f"redo/{epoch}", ",".join(str(i) for i in untrained(state)))
-        behind = state.max_group_id + 1 - int(store.add("groups/next", 0))
-        if behind > 0:
-            store.add("groups/next", behind)
-        server = weights_sync.WeightServer(cfg, epoch, state.step, device)
-        view = lambda: (server.members, server.cut)  # noqa: E731 - changes before the actors hear
+        # each cut fences the run's group ids; the ones below it never trained are generated again
+        # first (elastic.Ledger.start_cut): in flight at the checkpoint, or given up at the cut
+        floor = state.max_group_id + 1
+        server = weights_sync.WeightServer(cfg, epoch, state.step, device,
+                                           on_cut=lambda s, g: elastic.fence(s, g, floor))
+        books = elastic.Ledger(store, world(), state)
+    epoch = all_gather_ints([epoch] if is_main() else [], device)[0][0] if world() > 1 else epoch
     send_weights(state, server, store, cfg, wait=True)
+
+    def keep_books(force=False):
+        """Rank 0: the books follow the weight group's cut; the budget goes out (elastic.py)."""
+        if not is_main() or server.cut is None:
+            return
+        if server.cut != books.cut:
+            books.start_cut(server.cut, server.ids_below)
+            force = True
+        books.publish(state.step, set(server.members), force)
+
+    def view():
+        """Rank 0: the members and the cut of the books (samples of a newer cut cannot exist
+        before the books publish its budget)."""
+        keep_books()
+        return set(server.members), books.cut
 
     # --- samples: each rank pulls its own share from the verifier ---
     addr = common.zmq_addr(cfg.ports.host, cfg.ports.samples)
@@ -885,24 +899,21 @@ def main():
     t_start = t_prev = time.time()
 
     # --- training loop: pull, step, send weights, log, checkpoint ---
-    batches = []  # this rank's shares of the optimizer steps whose samples are already here
+    pending = []  # this rank's samples pulled and not yet trained
     while state.step < cfg.trainer.max_steps:
-        wait_s = 0.0
-        if not batches:
-            if not conventional and weights_owed(state.step, state.sent, cfg.actor.max_lag):
-                send_weights(state, server, store, cfg, wait=True)
-            # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL
-            # step with one policy before its first optimizer step; PipelineRL (G_steps=1) steps as
-            # soon as B are here.
-            steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
-            t_wait = time.time()
-            pulled, wait_s = pull_samples(sock, share * steps, state, cfg, addr,
-                                          state.model.config.vocab_size, view)
-            state.events.span("wait", t_wait)
-            batches = [pulled[i * share:(i + 1) * share] for i in range(steps)]
-        samples = batches.pop(0)
+        if not conventional and weights_owed(state.step, state.sent, cfg.actor.max_lag):
+            send_weights(state, server, store, cfg, wait=True)
+        # Conventional RL (the paper's Algorithm 1) generates all B*G_steps samples of an RL step
+        # with one policy before its first optimizer step; PipelineRL (G_steps=1) steps as soon
+        # as B are here.
+        steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
+        t_wait = time.time()
+        samples, wait_s = take_batch(sock, pending, share * steps, share, state, cfg, addr,
+                                     state.model.config.vocab_size, view, keep_books)
+        state.events.span("wait", t_wait)
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
-        settle_samples(state, samples, store, *view())
+        settle(state, samples, books)
+        keep_books(force=True)
         # The weights go out in pipeline mode after every applied step; conventional: once per RL
         # step (G_steps steps), even when its last step was skipped (the actor waits for this
         # broadcast to start the next RL step).
@@ -917,13 +928,7 @@ def main():
         t_prev = now
         if is_main():
             common.log("trainer", metrics, state.step)  # every step: the figures read each one
-            # per sample, its tokens' versions run-length encoded: [[version, tokens], ...]
-            rle = [[[v, len(list(g))] for v, g in groupby(s["versions"].tolist())] for s in samples]
-            with open(cfg.run_dir / "samples_trainer.jsonl", "a") as f:
-                f.write(json.dumps({"step": state.step, "trainer_version": state.step - 1,
-                                    "group_ids": [int(s["group_id"]) for s in samples],
-                                    "incs": [int(s["inc"]) for s in samples],
-                                    "version_runs": rle}) + "\n")
+        write_samples(cfg, state, samples, epoch)
         if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
             save_checkpoint(state, cfg, tokenizer)
 
@@ -947,6 +952,8 @@ def main():
 if __name__ == "__main__":
     try:
         main()
+    except dist.DistNetworkError as e:  # the run's store went away: nothing to go on with
+        os._exit(elastic.store_lost("trainer", e))
     # e.g. no samples: a broadcast still pending in the WeightServer's thread would make
     # interpreter teardown abort ("terminate called"): leave at once
     except SystemExit as e:

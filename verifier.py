@@ -4,7 +4,7 @@ Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from t
           (common.SCHEMAS).
 Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group,
           for the trainer ranks, numbered per actor incarnation and cut in send order (`seq`:
-          the trainer finds the ones that never arrived, trainer.settle_samples); an evaluation
+          the trainer finds the ones that never arrived, elastic.Ledger.settle); an evaluation
           pass (`eval`: true) becomes a line of <run.dir>/eval.jsonl instead. Dropped groups
           (zero-advantage when asked, malformed; never a slow one) go back to their actor's
           admission budget through the run's store (dropped/<inc>/<cut>). Metrics:
@@ -40,6 +40,7 @@ import torch
 import zmq
 
 import common
+import elastic
 import tasks
 import weights_sync
 from loss import group_advantages
@@ -203,14 +204,19 @@ class State:
         if len(self.finished) > 100_000:  # simplification 4
             self.finished.popitem(last=False)
 
-    def drop(self, key, inc: int, cut: int, size: int):
+    def drop(self, key, inc: int, cut: int, size: int, reason: str):
         """A group that will not be forwarded; a training group's samples go back to the budget of
-        actor incarnation `inc` since the cut `cut` (dropped/<inc>/<cut>)."""
+        actor incarnation `inc` since the cut `cut` (elastic.drop), and its id is recorded in
+        groups_dropped.jsonl (scripts/check_run.py accounts for it)."""
         self.close(key)
         if not key[0]:
             self.counts["dropped_groups"] += 1
             self.counts["dropped_samples"] += size
-            self.store.add(f"dropped/{inc}/{cut}", size)
+            elastic.drop(self.store, inc, cut, key[1], size)
+            record = {"group_id": key[1], "inc": inc, "cut": cut, "size": size, "reason": reason,
+                      "time": time.time()}
+            with open(self.cfg.run_dir / "groups_dropped.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
 
 def receive(sock, state: State, pool, tokenizer, limit: int):
     """Check, decode, submit rollouts while the pool has room. A malformed one drops its group: it
@@ -241,7 +247,7 @@ def receive(sock, state: State, pool, tokenizer, limit: int):
             key = (False, h.get("group_id"), h.get("inc"), h.get("cut"))
             if ({"group_id", "group_size", "inc", "cut"} <= h.keys() and h.get("eval") is not True
                     and key not in state.finished and h["group_size"] >= 1):
-                state.drop(key, h["inc"], h["cut"], h["group_size"])
+                state.drop(key, h["inc"], h["cut"], h["group_size"], "malformed")
             continue
         group = state.open.setdefault(key, {"size": size, "t0": time.monotonic(), "seen": set(),
                                             "stream": (header["inc"], header["cut"]),
@@ -271,10 +277,12 @@ def complete(state: State, key):
     if max(rewards) == min(rewards):  # every advantage is 0: no gradient from this group
         state.counts["zero_adv_groups"] += 1
         if state.cfg.verifier.drop_zero_adv_groups:
-            return state.drop(key, *group["stream"], group["size"])
+            return state.drop(key, *group["stream"], group["size"], "zero_adv")
     seqs = state.seqs[group["stream"]]  # in send order: the outbox is first in, first out
     for (h, a), adv in zip(members, advantages):
         state.outbox.append(common.encode({**h, "advantage": adv, "seq": next(seqs)}, a))
+    # in the outbox, first in, first out: the group may leave its actor's u_min (actor.admit)
+    elastic.forwarded(state.store, group["stream"][1], key[1])
     state.counts["groups_forwarded"] += 1
 
 def log_window(state: State, pool, now):
@@ -312,7 +320,7 @@ def main():
     # This incarnation, in the run's store: the trainer cuts when it changes (a restarted verifier
     # lost the groups it held; weights_sync.WeightServer)
     store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
-    store.add("verifier/incarnations", 1)
+    elastic.register_verifier(store)
     pool, state, stopping = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, store), []
     events = common.Events(cfg.run_dir, "verifier", cfg.run.trace)
     bucket = [time.time(), 0]  # the timeline's: its start, samples scored since
@@ -363,7 +371,7 @@ def main():
         # minutes after its first, and dropping it would train only on the problems answered
         # quickly (and lose an evaluation pass). A sample is known lost only when it arrives
         # malformed (`receive` drops its group), when the trainer finds that it never arrived
-        # (trainer.settle_samples), or when a role dies: then the trainer gives up the lost
+        # (elastic.Ledger.settle), or when a role dies: then the trainer gives up the lost
         # actor's samples, or everything before a cut (weights_sync.WeightServer).
         now = time.monotonic()
         if now - state.window["t"] >= cfg.run.log_every:
@@ -375,6 +383,7 @@ def main():
                           f"{group['size']} samples received): waiting for the rest", flush=True)
                     state.counts["slow_groups"] += 1
             log_window(state, pool, now)
+            store.add("verifier/incarnations", 0)  # the store alive? (else: exit 3, below)
 
     # --- shutdown (SIGTERM / SIGINT) ---
     log_window(state, pool, time.monotonic())
@@ -387,4 +396,7 @@ def main():
           "incomplete", flush=True)
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except torch.distributed.DistNetworkError as e:  # the store's process went away
+        sys.exit(elastic.store_lost("verifier", e))

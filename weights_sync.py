@@ -249,8 +249,11 @@ class WeightServer:
     group is announced: the trainer filters its samples by them (trainer.pull_samples).
     Memory: one full copy of the weights, written by `send` while no broadcast reads it."""
 
-    def __init__(self, cfg, epoch: int, version: int, device):
+    def __init__(self, cfg, epoch: int, version: int, device, on_cut=lambda store, g: 0):
         sync, self.cfg, self.epoch, self.version = cfg.sync, cfg, epoch, version
+        # at a cut, before the group is announced: on_cut(store, g) -> the first group id of the
+        # new cut (elastic.fence)
+        self.on_cut, self.ids_below = on_cut, 0
         # its own connection: the rendezvous blocks on it
         self.store = create_store(sync.host, sync.port, False, cfg.run.peer_timeout_s)
         self.sender = WeightSender(self.store, None, sync.bucket_mb, device)
@@ -407,15 +410,16 @@ class WeightServer:
         per = self.cfg.actor.engines * self.cfg.actor.tp  # weight ranks of an actor
         g = int(self.store.add("group/count", 1))
         members = {inc: 1 + k * per for k, inc in enumerate(sorted(live))}
-        # a cut starts the run's admission budget afresh (actor.admit); a new member (every member
-        # at a cut) starts no group older than the weights it is about to get
+        # a cut fences the run's group ids (the trainer lists those below it to do again); a new
+        # member (every member at a cut) starts no group older than the weights it is about to get
         if cut:
-            self.store.set(f"budget/{g}", f"{self.version} 0 0")
+            self.ids_below = self.on_cut(self.store, g)
         for inc in members if cut else set(members) - set(self.members):
             self.store.set(f"oldest/{inc}", f"{g if cut else self.cut} {self.version}")
         self.g, self.members, self.broken = g, members, False
         self.cut = g if cut else self.cut
-        info = {"members": members, "cut": self.cut, "epoch": self.epoch, "version": self.version}
+        info = {"members": members, "cut": self.cut, "epoch": self.epoch, "version": self.version,
+                "lost": sorted(self.lost)}
         self.store.set(f"group/{g}", json.dumps(info))
         # the new group gets the newest weights first
         self.fresh = bool(self.copy)
@@ -668,8 +672,12 @@ class WeightUpdateExtension:
         store = create_store(self._ws_store.host, self._ws_store.port, False, self._ws_timeout)
 
         def watch(pg):
+            # a later group formed: its number counted and its key set (a trainer that died
+            # between the two left a number without a key: a later one's key counts too)
             with contextlib.suppress(Exception):  # the engine shut down first
-                store.wait([f"group/{g + 1}"], datetime.timedelta(days=365))
+                while not any(store.check([f"group/{h}"])
+                              for h in range(g + 1, int(store.add("group/count", 0)) + 1)):
+                    time.sleep(0.5)
             abandon(pg)
         threading.Thread(target=watch, args=(self._ws_pg,), daemon=True).start()
         return rank

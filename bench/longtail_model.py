@@ -12,7 +12,8 @@ A few seconds of one core: it parses the runs' JSONL files. Per run directory it
   events_engine*.jsonl    the engine's counters (docs/TRACE.md), one record per >= 0.25 s bucket:
                           `inflight` (occupancy h), `tokens_per_s`, `busy`; its `receive` spans (weight loads)
   events_trainer*.jsonl   the trainer's `step/*` spans and `wait` spans (conventional RL: one RL step's parts)
-  samples_trainer.jsonl   each trained sample's completion tokens: the sum of its `version_runs` counts
+  samples_trainer*.jsonl  each trained sample's completion tokens: the sum of its `version_runs` counts
+                          (every trainer rank's file, the steps a restarted trainer redid once)
   metrics_trainer.jsonl   per optimizer step `train_s`, `samples_total`, `time`
   metrics_actor.jsonl     `actor/tokens_per_s` (training) and `actor/engine_tokens_per_s` (training and
                           evaluation), integrated over time: evaluation's share of the engine's tokens
@@ -72,7 +73,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from scripts.rundir import read_jsonl  # noqa: E402
+from scripts.rundir import read_jsonl, read_samples, timeline  # noqa: E402
 from scripts.throughput_model import (MeasuredU, predict, r_conventional, r_pipeline,  # noqa: E402
                                       t_gen_slots)
 import common  # noqa: E402
@@ -148,8 +149,8 @@ def estimate_u(run_dir, edges=H_EDGES, min_buckets=MIN_BUCKETS, exclude_trainer=
 
 
 def completion_lengths(run_dir) -> np.ndarray:
-    """Completion tokens of every trained sample (samples_trainer.jsonl: version_runs [[version, tokens]])."""
-    return np.array([sum(n for _, n in runs) for r in read_jsonl(Path(run_dir) / "samples_trainer.jsonl")
+    """Completion tokens of every trained sample, all ranks (version_runs [[version, tokens]])."""
+    return np.array([sum(n for _, n in runs) for r in timeline(read_samples(run_dir))
                      for runs in r["version_runs"]], dtype=int)
 
 
@@ -158,9 +159,12 @@ def trainer_steps(run_dir) -> list:
 
 
 def trainer_speed(run_dir) -> float:
-    """Completion tokens of the trained batches per second of training (train_s), all steps."""
-    tokens = {r["step"]: sum(n for runs in r["version_runs"] for _, n in runs)
-              for r in read_jsonl(Path(run_dir) / "samples_trainer.jsonl")}
+    """Completion tokens of the trained batches per second of training (train_s), all steps: each
+    step's tokens summed over the ranks, which train their shares at the same time."""
+    tokens = {}
+    for r in timeline(read_samples(run_dir)):
+        tokens[r["step"]] = tokens.get(r["step"], 0) + sum(n for runs in r["version_runs"]
+                                                           for _, n in runs)
     steps = [r for r in trainer_steps(run_dir) if r["step"] in tokens]
     return sum(tokens[r["step"]] for r in steps) / sum(r["trainer/train_s"] for r in steps)
 

@@ -27,6 +27,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from common import REPO, ConfigError  # noqa: E402
+from scripts import check_run  # noqa: E402
 from scripts.rundir import read_appended, read_jsonl  # noqa: E402
 from scripts.throughput_model import n_cores, r_pipeline  # noqa: E402
 
@@ -278,7 +279,9 @@ def progress(run_dir: str, poll_s: float = 1.0, window_s: float = 10.0):
 
 
 def summary(run_dir: str) -> str:
-    """run.sh's closing line: steps, first/last test reward, mean of the last three evaluations, max lag."""
+    """run.sh's closing line: steps, first/last test reward, mean of the last three evaluations, max
+    lag, and whether the run's records hold their invariants (scripts/check_run.py; not said
+    without config.yaml)."""
     steps = [r for r in read_jsonl(Path(run_dir) / "metrics_trainer.jsonl") if "trainer/done" not in r]
     evals = read_jsonl(Path(run_dir) / "eval.jsonl")
     line = f"[run.sh] summary: {steps[-1]['step'] if steps else 0} steps"
@@ -289,6 +292,8 @@ def summary(run_dir: str) -> str:
                  f"{sum(last3) / len(last3):.3f}")
     if steps:
         line += f" | max lag {max(r.get('trainer/lag_max', 0) for r in steps):.0f}"
+    if verdict := check_run.clause(run_dir):  # scripts/check_run.py RUN_DIR says which and where
+        line += f" | {verdict}"
     return line
 
 

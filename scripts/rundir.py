@@ -6,7 +6,10 @@ A run directory holds, among others (README, "What you will see"):
   config.yaml               the resolved config: it names the run's setting
   metrics_<role>.jsonl      one record per log line, keys `actor/`, `verifier/`, `trainer/`
   eval.jsonl                one record per test evaluation: version, test_reward, time
-  samples_trainer.jsonl     the trained samples' numbers and versions
+  samples_trainer.jsonl     one record per optimizer step of trainer rank 0: its samples' group
+                            ids, sample_idx, incarnations and per-token versions (run-length coded);
+                            samples_trainer.rank<r>.jsonl the same for rank r >= 1
+  groups_dropped.jsonl      the groups the verifier chose not to train (zero advantage, malformed)
   events_<track>.jsonl      each process's timeline (format: docs/TRACE.md)
 
 Every file is JSONL that a process appends to and may be killed in the middle of a line: every
@@ -16,6 +19,11 @@ script may import it without reaching another's code.
     read_jsonl(path)              a whole file's records (metrics, eval, samples)
     read_events(path)             an events file's records: the same reader
     read_appended(path, offset)   complete records appended since a byte offset (to follow a run)
+    read_samples(run_dir)         every trainer rank's samples records, older records' fields filled
+    timeline(records)             the samples records that stay: a restarted trainer's replace the
+                                  steps it redid
+    read_dropped(run_dir)         the verifier's dropped groups
+    read_given_up(run_dir)        the group ids actors gave up at a cut (metrics_actor.jsonl)
     Run(path), load_runs(paths)   a run's trainer metrics and evaluations as arrays
     group_settings(runs)          runs grouped by setting (seeds of one setting together), labelled
 """
@@ -69,6 +77,77 @@ def read_appended(path: Path, offset: int):
         with contextlib.suppress(ValueError):
             records.append(json.loads(line))
     return [r for r in records if isinstance(r, dict)], offset + end
+
+
+# --- what was trained: the samples records of every rank, the timeline that stays ---------------
+
+def read_samples(run_dir) -> list:
+    """Every trainer rank's samples records: samples_trainer.jsonl (rank 0), then
+    samples_trainer.rank<r>.jsonl (rank r) by rank, each file in the order written. Records older
+    than these fields get: `rank` the file's, `cut` None, `sample_idx` None (not recorded), and
+    `epoch` counted in the file, a step not above the one before starting the next (a restarted
+    trainer's records follow the killed one's)."""
+    run_dir = Path(run_dir)
+    files = {0: run_dir / "samples_trainer.jsonl"}
+    for path in run_dir.glob("samples_trainer.rank*.jsonl"):
+        with contextlib.suppress(ValueError):
+            files[int(path.name.removeprefix("samples_trainer.rank").removesuffix(".jsonl"))] = path
+    records = []
+    for rank in sorted(files):
+        epoch = 0
+        last_step = None
+        for r in read_jsonl(files[rank]):
+            if "epoch" not in r:
+                if last_step is not None and r["step"] <= last_step:
+                    epoch += 1
+                r["epoch"] = epoch
+            last_step = r["step"]
+            r.setdefault("rank", rank)
+            r.setdefault("cut", None)
+            r.setdefault("sample_idx", None)
+            records.append(r)
+    return records
+
+
+def timeline(records) -> list:
+    """The records that stay, sorted by (step, rank): a trainer restarted from its checkpoint at
+    step S (a new epoch) writes steps S+1.. again, and its records replace the earlier epochs' from
+    its first step on. Each rank's records are walked in the order written (read_samples' order):
+    an epoch starts where the epoch number differs from the record before. A step written twice
+    within one epoch stays twice (scripts/check_run.py reports it)."""
+    by_rank = {}
+    for r in records:
+        by_rank.setdefault(r["rank"], []).append(r)
+    kept = []
+    for rank_records in by_rank.values():
+        stays = []
+        epoch = None
+        for r in rank_records:
+            if r["epoch"] != epoch:
+                epoch = r["epoch"]
+                stays = [k for k in stays if k["step"] < r["step"]]
+            stays.append(r)
+        kept += stays
+    return sorted(kept, key=lambda r: (r["step"], r["rank"]))
+
+
+def read_dropped(run_dir) -> list:
+    """groups_dropped.jsonl: {group_id, inc, cut, size, reason, time} per group the verifier chose
+    not to train (reason `zero_adv` or `malformed`); none when the file is absent."""
+    return read_jsonl(Path(run_dir) / "groups_dropped.jsonl")
+
+
+def read_given_up(run_dir, at_end: bool = False) -> set:
+    """The group ids the actors gave up at a cut, an exclusion or their end, unfinished
+    (metrics_actor.jsonl's `actor/groups_given_up`); at_end: only those of each incarnation's last
+    record, once the trainer has finished (`trainer/done`): in flight when the run ended."""
+    records = read_jsonl(Path(run_dir) / "metrics_actor.jsonl")
+    if at_end:
+        trainer = read_jsonl(Path(run_dir) / "metrics_trainer.jsonl")
+        if not (trainer and "trainer/done" in trainer[-1]):
+            return set()
+        records = list({r.get("actor/inc"): r for r in records}.values())
+    return {g for r in records for g in r.get("actor/groups_given_up") or []}
 
 
 # --- runs as arrays, grouped by setting ----------------------------------------------------------

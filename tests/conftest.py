@@ -57,7 +57,7 @@ class FakeActor:
     """An actor as the trainer's WeightServer sees it, in threads of this process (no vLLM): it registers an
     incarnation (`inc`), beats (alive/<inc>), joins each weight group that takes it in (one engine), receives
     every version announced to it (`updates`: [(version, {name: tensor})]) and acknowledges "done" (`done`). `cut`: its group's cut,
-    which the samples it makes carry (trainer.pull_samples discards others)."""
+    which the samples it makes carry (trainer.take_batch discards others)."""
 
     def __init__(self, store_port: int, timeout_s: float = 120, clock_skew_s: float = 0.0):
         import threading

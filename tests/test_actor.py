@@ -5,6 +5,7 @@ Run: .venv/bin/python -m pytest -q tests/test_actor.py       (~1.5 min on 2 core
 the module, plus one `python actor.py` subprocess)
 """
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -24,10 +25,12 @@ from conftest import REPO, free_port, read_jsonl, recv
 
 import actor
 import common
+import elastic
 import weights_sync as ws
 
 torch.set_num_threads(1)
 PROMPTS = ["12+34=\n", "7+8=\n", "305+96=\n", "1+1=\n"]
+_STORE = [None]  # the env's store: `_pull` marks the groups it received forwarded there
 
 
 # --- fixtures: models, one engine, a fake trainer rank 0 ------------------------------------------------
@@ -70,11 +73,11 @@ class FakeTrainer:
         self.epoch, self.version, self.batch_size = epoch, -1, batch_size
         self.sender = self.pg = self.cut = None
         self.members, self.first = {}, None  # the current group's, and the version of its first weights
-        store.set(f"redo/{epoch}", "")
 
-    def regroup(self, members: dict, cut=False, join=None, per=1):
+    def regroup(self, members: dict, cut=False, join=None, per=1, redo="", floor=0):
         """A new group of rank 0 and `members` (incarnation -> first weight rank; `per` ranks each),
-        announced; it is formed once they meet: by themselves (an actor loop), or by `join(g)`."""
+        announced; it is formed once they meet: by themselves (an actor loop), or by `join(g)`. A cut
+        fences the group ids (new ones from `floor` on at least) and lists `redo` to generate first."""
         g = int(self.store.add("group/count", 1))
         # none of the group before: a cut (each test's fresh incarnation starts the budget afresh)
         cut = cut or not set(members) & set(self.members)
@@ -84,6 +87,11 @@ class FakeTrainer:
         self.members = members
         if cut:  # the budget counts from the cut's first weights (set by consumed())
             self.first = None
+            elastic.fence(self.store, g, floor)
+            ids = [i for i in redo.split(",") if i]  # as elastic.Ledger.start_cut lists them
+            self.store.set(f"redo/{g}", "".join(f"{i}," for i in ids))
+            self.store.add(f"redo/{g}/count", len(ids))
+            self.store.set(f"redo/{g}/taken", "0 trainer")
             self.store.set(f"budget/{self.cut}", f"{self.version + 1} 0 0")
         for inc in new:
             self.store.set(f"oldest/{inc}", f"{self.cut} {self.version + 1}")
@@ -107,7 +115,14 @@ class FakeTrainer:
         """Before `version` goes out: batch_size samples trained per version since the cut's first
         (the first sent after it: tests skip versions)."""
         self.first = version if self.first is None else self.first
-        self.store.set(f"budget/{self.cut}", f"{version} {(version - self.first) * self.batch_size} 0")
+        self.publish(version)
+
+    def publish(self, version=None):
+        """The budget as elastic.Ledger.publish writes it: the members' drops given back."""
+        version = self.version if version is None else version
+        returned = sum(int(self.store.add(f"dropped/{inc}/{self.cut}", 0)) for inc in self.members)
+        consumed = (version - self.first) * self.batch_size
+        self.store.set(f"budget/{self.cut}", f"{version} {consumed} {returned}")
 
     def send(self, sd, version=None):
         self.version = self.version + 1 if version is None else version
@@ -156,6 +171,7 @@ def env(tmp_path_factory, insecure_serialization):
     model_dir = random_model_dir(tmp / "model", seed=0)
     tok = make_tokenizer()
     store = ws.create_store("127.0.0.1", 0, True, 60)  # port 0: the OS picks a free one
+    _STORE[0] = store
     cfg = make_cfg(tmp, model_dir, store.port, free_port())
     loop = asyncio.new_event_loop()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")  # inherited by the engine core process
@@ -528,11 +544,22 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False, proc_index=0):
     return st, result["value"], rest
 
 
-def _pull(pull, n, timeout_s=60):
+_ARRIVED = collections.Counter()  # (store port, cut, group id) -> its samples received (`_pull`)
+
+
+def _pull(pull, n, timeout_s=60, store=None):
+    """n rollouts; as the verifier does, each training group received whole is marked forwarded
+    (elastic.forwarded: it may leave its actor's u_min) in `store` (default: the env's)."""
     out = []
+    store = store or _STORE[0]
     for _ in range(n):
         assert pull.poll(timeout_s * 1000), f"deadlock: got {len(out)} of {n} rollouts in {timeout_s} s"
-        out.append(recv(pull, "rollout"))
+        h, a = recv(pull, "rollout")
+        out.append((h, a))
+        key = (store.port, h["cut"], h["group_id"])
+        _ARRIVED[key] += not h["eval"]
+        if not h["eval"] and _ARRIVED[key] == h["group_size"]:
+            elastic.forwarded(store, h["cut"], h["group_id"])
     return out
 
 
@@ -603,13 +630,12 @@ def test_resume_generates_untrained_groups_first(env):
     B = 8
     cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8")
     store, fake = env["store"], env["trainer"]
-    store.add("groups/next", max(0, 10 - int(store.add("groups/next", 0))))
-    first_new = int(store.add("groups/next", 0))
-    fake.epoch += 1  # a restarted trainer
-    store.set(f"redo/{fake.epoch}", "2,5")
+    fake.epoch += 1  # a restarted trainer: its first group is a cut
+    first_new = max(10, int(store.get("groups/next").split()[1]))
     consumed = []
 
     def trainer_fn(pull, st):
+        fake.regroup(dict(fake.members), cut=True, redo="2,5", floor=first_new)
         fake.send(env["sd"])
         for _ in range(2):
             consumed.extend(_pull(pull, B))
@@ -730,6 +756,8 @@ def test_dropped_samples_are_given_back_lag_bounded(env):
             batch = _pull_training(pull, B)
             dropped = [x for x in batch if x[0]["group_id"] == batch[0][0]["group_id"]]
             env["store"].add(f"dropped/{st.inc}/{st.cut}", len(dropped))  # as the verifier does
+            elastic.forwarded(env["store"], st.cut, batch[0][0]["group_id"])
+            env["trainer"].publish()  # as the trainer does while it waits
             batch = [x for x in batch if x not in dropped] + _pull_training(pull, len(dropped))
             lags.extend(int(x) for _, a in batch for x in (v0 + step) - a["versions"])
             env["trainer"].send(env["sd"])
@@ -737,7 +765,7 @@ def test_dropped_samples_are_given_back_lag_bounded(env):
 
     st, v0, rest = _run_loop(env, cfg, trainer, proc_index=1)
     assert len(lags) > 0 and max(lags) == 0  # lag <= max_lag = 0 although a quarter of the samples vanished
-    assert st.dropped == gs * steps and st.started_total == st.pushed
+    assert st.returned == gs * steps and st.started_total == st.pushed
     assert not [h for h, _ in rest if h["eval"]]
 
 
@@ -921,7 +949,7 @@ def test_admission_budgets_hand_worked():
         return common.load_config(["trainer.batch_size=8", "actor.group_size=4", *kv])
     pipe = cfg("actor.max_lag=1")
     # trained up to version 5 (8 consumed), holding 7: (7-5+1+1)*8 = 32 may be outstanding
-    st = actor.ActorState(version=7, trained=5, consumed=8, started=36, share=8)
+    st = actor.ActorState(budget_ready=True, version=7, trainer_version=5, consumed=8, started=36, share=8)
     assert actor.admit(pipe, st)  # 28 outstanding + 4 fits
     st.started = 40
     assert not actor.admit(pipe, st)
@@ -929,32 +957,37 @@ def test_admission_budgets_hand_worked():
     assert actor.admit(pipe, st)
     # a group started at version 6 is still running: u_min = 6 -> 24
     st.groups = {0: actor.Group(version=6, left=4, engine=0)}
-    st.started, st.dropped, st.consumed = 32, 4, 8  # 4 of them were dropped: 20 outstanding
+    st.started, st.returned, st.consumed = 32, 4, 8  # 4 of them were dropped: 20 outstanding
     assert actor.admit(pipe, st) and not actor.admit(pipe, actor.ActorState(**{**vars(st), "others_oldest": 5}))
     conv = cfg("actor.schedule=conventional", "actor.G_steps=4", "actor.max_lag=3")
-    st = actor.ActorState(version=8, trained=8, started=28, share=8)
+    st = actor.ActorState(budget_ready=True, version=8, trainer_version=8, started=28, share=8)
     assert actor.admit(conv, st) and (setattr(st, "started", 32) or not actor.admit(conv, st))
-    st = actor.ActorState(version=10, trained=10, started=12, share=8)  # resumed at step 10: 2 steps left
+    st = actor.ActorState(budget_ready=True, version=10, trainer_version=10, started=12,
+                          share=8)  # resumed at step 10: 2 steps left
     assert actor.admit(conv, st) and (setattr(st, "started", 16) or not actor.admit(conv, st))
-    st.dropped = 4
+    st.returned = 4
     assert actor.admit(conv, st)
 
 
 def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
-    """Two actor incarnations share the run's budget through a real store, as Actor.reserve,
-    Actor.publish_oldest and Actor.refresh_budget use it, and trainer.settle_samples (one rank, no process
-    group) publishes it. B = 8, max_lag = 1: 16 samples at once, whichever actor starts them. Incarnation
-    2's slow group of version 3 holds incarnation 1 at version 4 too: with a budget of its own (its
-    oldest version 4), it would start two more groups, the trainer would train version 4 and 5 on them and
-    the slow group's version-3 tokens at lag >= 2 (a run of two actors trained 4% of its tokens beyond
-    max_lag, up to 14 versions behind). Then incarnation 2 is lost: its samples never trained come back."""
-    import trainer
+    """Two actor incarnations share the run's budget through a real store, as the actor's loop uses it
+    (elastic.reserve, elastic.publish_oldest, elastic.read_budget), and elastic.Ledger (the trainer's
+    books, one rank) publishes it. B = 8, max_lag = 1: 16 samples at once, whichever actor starts them.
+    Incarnation 2's slow group of version 3 holds incarnation 1 at version 4 too: with a budget of its own
+    (its oldest version 4), it would start two more groups, the trainer would train version 4 and 5 on them
+    and the slow group's version-3 tokens at lag >= 2 (a run of two actors trained 4% of its tokens beyond
+    max_lag, up to 14 versions behind). Then incarnation 2 is lost: every sample it started and that was
+    not trained comes back, the ones the verifier dropped included (they were counted twice out before)."""
     from types import SimpleNamespace
     store = ws.create_store("127.0.0.1", 0, True, 30)
     cfg = common.load_config(["trainer.batch_size=8", "actor.group_size=4", "actor.max_lag=1"])
     cut = 1
-    store.set(f"budget/{cut}", "3 0 0")  # as WeightServer sets it at a cut: version 3, nothing consumed
+    store.set(f"budget/{cut}", "3 0 0")  # as the trainer's books publish a cut: version 3, nothing consumed
+    store.set(f"redo/{cut}", "")
+    store.set(f"redo/{cut}/taken", "0 trainer")
     store.add("actor/incarnations", 2)
+    books = elastic.Ledger(store, 1, None)
+    books.cut = cut
     actors = {}
     for inc in (1, 2):
         st = actor.ActorState(version=3, inc=inc, group=1, cut=cut, cut_version=3, others=[3 - inc])
@@ -966,31 +999,40 @@ def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
 
     def start(inc):  # Actor.admit_groups' check, then its count in the store
         a = actors[inc]
-        if not (actor.admit(cfg, a.st) and actor.Actor.reserve(a)):
+        if not (actor.admit(cfg, a.st) and elastic.reserve(a.store, a.st, 4, lambda s: actor.admit(cfg, s))):
             return False
-        a.st.groups[len(a.st.groups)] = actor.Group(version=a.st.version, left=4, engine=0)
+        a.st.groups[10 * inc + len(a.st.groups)] = actor.Group(version=a.st.version, left=4, engine=0)
         return True
     assert start(1) and start(2) and start(1) and start(2) and not start(1) and not start(2)
     assert int(store.add(f"budget/{cut}/started", 0)) == 16  # the refused ones uncounted
-    # version 3 trained on incarnation 1's 8; incarnation 2's second group (1) is slow: in flight at version 3
-    state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=torch.device("cpu")))
-    state.step = 4
-    trainer.settle_samples(state, [{"inc": 1, "cut": cut, "seq": s} for s in range(8)], store, {1: 1, 2: 2}, cut)
-    actors[1].st.groups = {}
-    del actors[2].st.groups[0]
+    # version 3 trained on incarnation 1's 8; incarnation 2's first group (20) is with the verifier, its
+    # second (21) is slow: in flight at version 3
+    books.settle([(0, 1, s) for s in range(8)])
+    books.publish(4, {1, 2})
+    for gid in (10, 11, 20):
+        actors[gid // 10].st.groups[gid].left = 0  # pushed
+    for gid in (10, 11):  # forwarded by the verifier and trained
+        elastic.forwarded(store, cut, gid)
     for a in actors.values():
         a.st.version = 4
+        actor.Actor.refresh_budget(a)
         actor.Actor.publish_oldest(a)
     assert store.get("oldest/1") == f"{cut} 4".encode() and store.get("oldest/2") == f"{cut} 3".encode()
     actor.Actor.refresh_budget(actors[1])
     assert actors[1].st.others_oldest == 3 and not start(1)  # (3 - 4 + 1 + 1) * 8 = 8 = outstanding
     actors[1].st.others_oldest = None
     assert actor.admit(cfg, actors[1].st)  # what its own oldest alone would allow
-    # incarnation 2 lost: a group without it; its 8 samples not trained come back, 16 may start at version 4
-    trainer.settle_samples(state, [], store, {1: 1}, cut)
+    # the verifier drops group 20 (zero advantage): its 4 samples come back
+    elastic.drop(store, 2, cut, 20, 4)
+    books.publish(4, {1, 2})
+    actor.Actor.refresh_budget(actors[1])
+    assert actors[1].st.returned == 4
+    # incarnation 2 lost: the books publish without it; every sample it started and that was not trained
+    # comes back, its dropped ones counted once: 16 may start at version 4
+    books.publish(4, {1})
     actors[1].st.others = []
     actor.Actor.refresh_budget(actors[1])
-    assert actors[1].st.dropped == 8 and all(start(1) for _ in range(4)) and not start(1)
+    assert actors[1].st.returned == 8 and all(start(1) for _ in range(4)) and not start(1)
 
 
 # --- `python actor.py` as a process ---------------------------------------------------------------------
@@ -1013,7 +1055,6 @@ def actor_process(env, tmp_path, first_group, *overrides):
     import zmq
     store = ws.create_store("127.0.0.1", 0, True, 60)
     fake = FakeTrainer(store)
-    store.add("groups/next", first_group)
     rollouts = free_port()
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(common.zmq_addr("127.0.0.1", rollouts))
@@ -1029,7 +1070,7 @@ def actor_process(env, tmp_path, first_group, *overrides):
             deadline = time.time() + 180  # its engines start, then it registers
             while not int(store.add("actor/incarnations", 0)) and time.time() < deadline:
                 time.sleep(0.1)
-            fake.regroup({1: 1}, per=common.load_config(list(overrides)).actor.engines)
+            fake.regroup({1: 1}, per=common.load_config(list(overrides)).actor.engines, floor=first_group)
             yield fake, pull, proc
         finally:  # still running: a failed test. The whole group: vLLM's engine cores outlive a killed actor.py
             if proc.poll() is None:
@@ -1048,7 +1089,7 @@ def test_actor_process_end_to_end(env, tmp_path):
         def pull_training(n):  # evaluation rollouts (eval: true) come on the same socket, for the verifier
             out = []
             while len(out) < n:
-                h, a = _pull(pull, 1, timeout_s=120)[0]
+                h, a = _pull(pull, 1, timeout_s=120, store=fake.store)[0]
                 (evals if h["eval"] else out).append((h, a))
             return out
 
@@ -1057,7 +1098,7 @@ def test_actor_process_end_to_end(env, tmp_path):
         fake.send(env["sd"], 1)
         later = pull_training(8)
         while len(evals) < 20:  # the evaluation at version 0 finishes whatever the version is now
-            h, a = _pull(pull, 1, timeout_s=120)[0]
+            h, a = _pull(pull, 1, timeout_s=120, store=fake.store)[0]
             assert h["eval"]
             evals.append((h, a))
         time.sleep(1.0)  # a metrics line
@@ -1096,7 +1137,7 @@ def test_two_engines_in_one_actor_process(env, tmp_path):
         batches = []
         for version in range(3):
             fake.send(env["sd"], version)
-            batches.append(_pull(pull, 8, timeout_s=120))  # max_lag=0: one batch per version
+            batches.append(_pull(pull, 8, timeout_s=120, store=fake.store))  # max_lag=0: one batch per version
         cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

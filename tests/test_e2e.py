@@ -3,7 +3,6 @@ resume, two "nodes" on loopback, the GPU recipe's keys on CPU, and the README's 
 
 Run: bash run.sh test tests/test_e2e.py      (6-8 minutes on 2 cores)
 """
-import collections
 import json
 import math
 import os
@@ -19,6 +18,8 @@ import pytest
 import common
 import loss
 from conftest import REPO, free_port, hf_greedy, read_jsonl, vllm_greedy
+from scripts import check_run
+from scripts.rundir import read_samples, timeline
 
 MAX_LAG = 2
 GROUP_SIZE = 4
@@ -144,11 +145,6 @@ def check_update_and_off_policy_metrics(run_dir, model_dir):
     assert all(r["trainer/ess_lag_0"] > 0.99 for r in buckets["0"]), buckets["0"]
 
 
-def max_token_lag(run_dir):
-    return max(rec["trainer_version"] - v for rec in read_jsonl(Path(run_dir) / "samples_trainer.jsonl")
-               for runs in rec["version_runs"] for v, _ in runs)
-
-
 def eos_model_dir(out_dir, p_eos=0.3):
     """A model whose next-token distribution is the same at every position, with P(EOS) = p_eos: completion
     lengths are geometric, so an overlong penalty gives some groups different rewards and others (every
@@ -192,7 +188,7 @@ def test_dropped_groups_do_not_stall_either_schedule(tmp_path, schedule):
     assert trainer_steps(run_dir)[-1] == 4
     verifier = read_jsonl(run_dir / "metrics_verifier.jsonl")[-1]
     assert verifier["verifier/dropped_groups"] >= 1, verifier  # the drops happened
-    assert max_token_lag(run_dir) <= MAX_LAG
+    assert_invariants(run_dir, ("lag",))
     if schedule == "pipeline":  # (conventional updates an idle engine: no stall to measure)
         check_update_and_off_policy_metrics(run_dir, model_dir)
 
@@ -299,10 +295,12 @@ def _pgid(pid):
         return None
 
 
-def assert_lags_within_max_lag(records):
-    """Every trained token's lag (the trainer's version - the version that sampled it) in [0, MAX_LAG]."""
-    lags = [r["trainer_version"] - v for r in records for runs in r["version_runs"] for v, _ in runs]
-    assert 0 <= min(lags) and max(lags) <= MAX_LAG, (min(lags), max(lags))
+def assert_invariants(run_dir, names):
+    """scripts/check_run.py's invariants `names` hold in the run's files (e.g. "lag": every trained
+    token's lag in [0, actor.max_lag]); the offending items if not."""
+    failed = [f"{name}: {detail}" for name, ok, detail in check_run.check(run_dir)
+              if name in names and not ok]
+    assert not failed, failed
 
 
 def _role_pid(run_dir, role):
@@ -354,13 +352,10 @@ def test_killed_trainer_restarts_from_its_checkpoint(tiny_model_dir, tmp_path):
     assert _role_pid(run_dir, "actor") == actor_pid, "\n".join(said) + actor_log[-4000:]
     assert actor_log.count("engine 0: up in") == 1, actor_log[-3000:]
     # the timeline that stays: each trainer's records, the later one replacing the steps it redid
-    records = read_jsonl(run_dir / "samples_trainer.jsonl")
+    kept = timeline(read_samples(run_dir))
     resumed_at = int(re.findall(r"resumed from \S+/step-(\d+)", (run_dir / "logs" / "trainer.log").read_text())[-1])
-    # the new trainer's first record (the killed one may or may not have written that step before it died)
-    cut = max(i for i, r in enumerate(records) if r["step"] == resumed_at + 1)
-    kept = [r for r in records[:cut] if r["step"] <= resumed_at] + records[cut:]
-    assert [r["step"] for r in kept] == list(range(1, steps + 1))
-    assert_lags_within_max_lag(kept)
+    assert [r["step"] for r in kept if r["rank"] == 0] == list(range(1, steps + 1))
+    assert_invariants(run_dir, ("lag", "steps"))
     trained = {g for r in kept for g in r["group_ids"]}
     meta = json.loads((run_dir / "checkpoints" / f"step-{resumed_at}" / "trainer_state.json").read_text())
     assert set(range(meta["max_group_id"] + 1)) <= trained, sorted(set(range(meta["max_group_id"] + 1)) - trained)
@@ -387,11 +382,11 @@ def test_an_actor_killed_at_a_seeded_step_comes_back(tiny_model_dir, tmp_path, s
     # nothing of the killed actor lives on (its vLLM engine core did, for good, holding its memory)
     left = [p for p in psutil.process_iter(["pid", "name"]) if _pgid(p.pid) == killed]
     assert not left, left
-    records = read_jsonl(run_dir / "samples_trainer.jsonl")
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
-    assert_lags_within_max_lag(records)
-    trained = collections.Counter(g for r in records for g in r["group_ids"])
-    assert set(trained.values()) == {GROUP_SIZE}, "a group trained twice, or in part"
+    records = timeline(read_samples(run_dir))
+    assert [r["step"] for r in records if r["rank"] == 0] == list(range(1, steps + 1))
+    # steps once each, every token's lag in [0, max_lag], every trained group whole and once
+    assert_invariants(run_dir, ("lag", "steps", "groups"))
+    trained = {g for r in records for g in r["group_ids"]}
     assert {i for r in records for i in r["incs"]} == {1, 2}, "the new incarnation was not trained on"
     final = records[-1]["trainer_version"]
     started = [(g, r["actor/version"]) for r in read_jsonl(run_dir / "metrics_actor.jsonl")

@@ -1,7 +1,7 @@
 """Samples lost between the verifier and the trainer ranks go back to their actors' budgets (issue 30, item 5).
 
 The verifier's side (verifier.State and complete, which number each actor process's samples) runs in this
-process with a real ZMQ PUSH socket; two trainer ranks run trainer.pull_samples and trainer.settle_samples in
+process with a real ZMQ PUSH socket; two trainer ranks run trainer.take_batch and trainer.settle in
 processes of their own over a real gloo group; the store is a real TCPStore. Rank 1 drops its connection for
 real: it closes its PULL socket while ZMQ holds samples queued for it, then connects a new one. What never
 arrived must be given back exactly, each to its own actor incarnation (store keys dropped/<inc>/<cut>), nothing that
@@ -27,6 +27,7 @@ import zmq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
+import elastic  # noqa: E402
 import trainer  # noqa: E402
 import verifier  # noqa: E402
 import weights_sync  # noqa: E402
@@ -34,7 +35,7 @@ from conftest import forkserver, free_port  # noqa: E402
 
 SHARE = 4  # samples a rank pulls per step
 PROCS = 3  # actor incarnations the groups come from: 1, 2, 3
-CUT = 1  # every sample's cut, and the trainer's (trainer.pull_samples)
+CUT = 1  # every sample's cut, and the trainer's (trainer.take_batch)
 VOCAB = 64
 
 
@@ -52,7 +53,7 @@ def _pull_socket(addr):
 
 
 def _rank(rank, world, port, tmp, store_port, samples_port, run, steps, drop_rank):
-    """One trainer rank: `steps` steps of pull + settle (as trainer.main: settle_samples after each step);
+    """One trainer rank: `steps` steps of take_batch + settle (as trainer.main: settle after each step);
     rank `drop_rank` closes its socket with samples queued after its first pull and connects a new one. Then
     one more pull that is never settled (a trainer stopped between a pull and its settle). Reports to the store
     (test/received/<run>/<rank>) the (inc, seq) pairs it received, settled and not."""
@@ -66,16 +67,20 @@ def _rank(rank, world, port, tmp, store_port, samples_port, run, steps, drop_ran
     sock = _pull_socket(addr)
     store.add(f"test/connected/{run}", 1)
     report = {"settled": [], "unsettled": [], "queued_at_drop": False}
+    books = elastic.Ledger(store, world, state) if rank == 0 else None
+    if books is not None:
+        books.cut = CUT
+    pending = []
     for step in range(steps + 1):
-        samples, _ = trainer.pull_samples(sock, SHARE, state, cfg, addr, VOCAB,
-                                          lambda: (set(range(1, PROCS + 1)), CUT))
+        samples, _ = trainer.take_batch(sock, pending, SHARE, SHARE, state, cfg, addr, VOCAB,
+                                        lambda: (set(range(1, PROCS + 1)), CUT), lambda: None)
         report["settled" if step < steps else "unsettled"] += [[s["inc"], s["seq"]] for s in samples]
         if rank == drop_rank and step == 0:
             report["queued_at_drop"] = sock.poll(30_000) != 0  # more samples wait here: they go with the socket
             sock.close(linger=0)
             sock = _pull_socket(addr)
         if step < steps:
-            trainer.settle_samples(state, samples, store, set(range(1, PROCS + 1)), CUT)
+            trainer.settle(state, samples, books)
     store.set(f"test/received/{run}/{rank}", json.dumps(report))
     sock.close()
     dist.destroy_process_group()
@@ -122,7 +127,7 @@ def _run_trainer(vs, push, store, tmp, samples_port, run, steps, drop_rank, grou
 
 
 def _settled_view(got):
-    """Per actor incarnation, what the trainer's settle_samples saw: the seqs received in settled steps, and the
+    """Per actor incarnation, what the trainer's books (elastic.Ledger.settle) saw: the seqs received in settled steps, and the
     watermark (the lowest of the two ranks' highest settled seq of that process)."""
     received, top = collections.defaultdict(set), collections.defaultdict(lambda: [-1, -1])
     for r in range(2):
@@ -168,16 +173,16 @@ def test_samples_lost_with_a_dropped_connection_are_given_back(tmp_path):
 
 
 def test_settle_judges_each_process_from_its_first_seq_received(tmp_path):
-    """trainer.settle_samples on one rank (no process group), by hand: each actor process's samples are
+    """elastic.Ledger.settle on one rank, by hand: each actor process's samples are
     judged from the first seq received of that process (an earlier trainer's are not this one's to judge),
     each later time from the last watermark; a gap is given back once, to its own process."""
     store = weights_sync.create_store("127.0.0.1", 0, True, 60)
-    state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=torch.device("cpu")))
+    books = elastic.Ledger(store, 1, None)
+    books.cut = CUT
     dropped = lambda: [int(store.add(f"dropped/{p}/{CUT}", 0)) for p in range(PROCS)]  # noqa: E731
 
     def settle(*pairs):
-        trainer.settle_samples(state, [{"inc": p, "cut": CUT, "seq": s} for p, s in pairs], store,
-                               set(range(PROCS)), CUT)
+        books.settle([(0, p, s) for p, s in pairs])
     settle((0, 10), (0, 12), (0, 13), (1, 5))  # 0-9 of process 0, 0-4 of process 1: sent before this trainer
     assert dropped() == [1, 0, 0]  # process 0's 11
     settle((0, 16), (1, 8), (0, 17))

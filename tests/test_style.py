@@ -1,4 +1,5 @@
-"""Tier (a): how the code reads. The seven core files hold at most 2,200 lines of code, at most 2% of
+"""Tier (a): how the code reads. The five algorithm files hold at most 2,000 lines of code, the eight core
+files at most 2,900, at most 2% of
 their lines are wider than 100 columns, the README's line counts are true, and every Markdown file that
 a tracked file names is in this repository (a fork has nothing else). Pure text: no torch, no vLLM.
 
@@ -12,12 +13,12 @@ import tokenize
 
 from conftest import REPO
 
-CORE = ["actor.py", "trainer.py", "verifier.py", "weights_sync.py", "loss.py", "common.py", "tasks.py"]
-# the core's lines of code: "the whole algorithm in ~2k lines". 2,400 once a run survives a role's death
-# (the store's process, the elastic weight group, incarnations and cuts); over it by the engine's update path
-# (in place, the decode-step clock on CUDA events, engines' own seeds: +121 lines) and gloo's waits that
-# give up an abandoned group (+21) and one lag budget shared by all actors (+25), said so in the README.
-CODE_LINES_BUDGET = 2570
+ALGORITHM = ["actor.py", "trainer.py", "verifier.py", "weights_sync.py", "loss.py"]
+CORE = ALGORITHM + ["common.py", "tasks.py", "elastic.py"]
+# "the whole algorithm in ~2k lines": the five role files; with what the roles share (common.py, tasks.py)
+# and how a run survives a role's death (elastic.py), the core
+ALGORITHM_CODE_LINES_BUDGET = 2000
+CODE_LINES_BUDGET = 2900
 MAX_COLUMNS = 100
 MAX_WIDE_SHARE = 0.02  # of the core's lines (nanoGPT: 1.5% over 110 columns; CleanRL ~1%)
 
@@ -68,6 +69,9 @@ def test_core_within_its_code_line_budget():
     counts = {name: code_lines((REPO / name).read_text()) for name in CORE}
     total = sum(counts.values())
     assert total <= CODE_LINES_BUDGET, f"{total} lines of code in the core (at most {CODE_LINES_BUDGET}): {counts}"
+    algorithm = sum(counts[name] for name in ALGORITHM)
+    assert algorithm <= ALGORITHM_CODE_LINES_BUDGET, (
+        f"{algorithm} lines of code in the five algorithm files (at most {ALGORITHM_CODE_LINES_BUDGET}): {counts}")
 
 
 def test_core_lines_within_100_columns():

@@ -544,7 +544,8 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
 
     actor, store, out = run(2, "trainer.max_steps=3", "sync.async_send=false")  # every version, in order
     assert actor.versions == [0, 1, 2, 3] and actor.error is None, out
-    assert (store.get("redo/1"), int(store.add("groups/next", 0))) == (b"", 0)
+    # the first cut fences the group ids at 0: nothing to do again
+    assert (store.get(f"redo/{actor.cut}"), store.get("groups/next").split()[:2]) == (b"", [b"1", b"0"])
     recs = [r for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
     keys = {"trainer/ess", "trainer/kl", "trainer/clamp_frac", "trainer/lag_mean", "trainer/tokens_per_s",
@@ -561,8 +562,10 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
 
     actor, store, out = run(1, "trainer.max_steps=4", "run.resume=true", "sync.async_send=false")
     assert actor.versions == [3, 4], out
-    assert store.get("redo/1").decode() == ",".join(map(str, untrained))
-    assert int(store.add("groups/next", 0)) == state["max_group_id"] + 1
+    # a new store (a whole run resumed): the fence starts after the last trained id, the ids below it that
+    # were never trained come first
+    assert store.get(f"redo/{actor.cut}").decode() == ",".join(map(str, untrained))
+    assert int(store.get("groups/next").split()[1]) == state["max_group_id"] + 1
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r][-1] == 4
 
     push.close()
@@ -623,19 +626,25 @@ def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_pa
     assert actor.versions == versions, out
 
 
-def test_untrained_groups_below_the_last_trained_one():
-    """Groups finish out of order: at a checkpoint, ids below the largest trained one may still be in flight.
-    They are listed (the actor generates them first on resume) and the bookkeeping keeps only what is above
-    the first of them."""
+def test_ids_to_do_again_at_a_cut():
+    """Groups finish out of order: at a checkpoint, and at any cut, ids below the fence may never have been
+    trained (in flight, or given up at the cut). The books list them (redo/<cut>: the actors generate them
+    first), leaving out the ones the verifier dropped for good; a checkpoint keeps only the ids above the
+    first untrained one."""
+    import weights_sync as ws
+    import elastic
     from types import SimpleNamespace
-    state = SimpleNamespace(fsdp=SimpleNamespace(device=torch.device("cpu")), trained_below=0,
-                            trained={0, 1, 3, 5, 6}, max_group_id=6)
-    assert trainer.untrained_groups(state) == [2, 4]
+    store = ws.create_store("127.0.0.1", 0, True, 30)
+    state = SimpleNamespace(trained_below=0, trained={0, 1, 3, 5, 6}, max_group_id=6)
+    trainer.prune_trained(state)
     assert state.trained_below == 2 and state.trained == {3, 5, 6}
-    state.trained |= {2, 4, 7}
-    state.max_group_id = 7
-    assert trainer.untrained_groups(state) == []
-    assert state.trained_below == 8 and state.trained == set()
+    elastic.drop(store, 1, 1, 7, 4)  # the verifier dropped group 7
+    books = elastic.Ledger(store, 1, state)
+    books.start_cut(2, elastic.fence(store, 2, floor=9))
+    assert store.get("redo/2") == b"2,4,8," and store.get("groups/next").split()[:2] == [b"2", b"9"]
+    state.trained |= {2, 4}
+    trainer.prune_trained(state)
+    assert state.trained_below == 7 and state.trained == set()
 
 
 def _dying_actor(sync_port):
@@ -700,8 +709,8 @@ def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
     sock.connect(addr)
     state = trainer.TrainState(model=None, fsdp=None)
     with pytest.raises(SystemExit) as e:
-        trainer.pull_samples(sock, 1, state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64,
-                             lambda: (set(), None))
+        trainer.pull_samples(sock, 1, [], state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64,
+                             lambda: set(), lambda: None)
     sock.close()
     msg = str(e.value.code)
     assert addr in msg and "run.peer_timeout_s" in msg and "is verifier.py running" in msg
