@@ -42,14 +42,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
+import torch.distributed
 
 import common
 import elastic
 import weights_sync as ws
 from tasks import format_prompt, load_tasks
-
-class PeerTimeout(RuntimeError):
-    """The trainer did not show up in time."""
 
 # --- engines --------------------------------------------------------------------------------------
 
@@ -294,9 +292,6 @@ def token_lags(version: int, versions):
 
 # --- announcements: a thread blocks on the store, the loop is woken -------------------------------
 
-import torch.distributed  # noqa: E402 - the store's errors (vLLM imports torch anyway)
-
-
 class Announcements:
     """Waits in a thread, on its own store connection (no polling), for `announce/<n>`, n = first,
     first+1, ... `pending`: values not yet handled, oldest first (a version is one broadcast the
@@ -315,27 +310,14 @@ class Announcements:
             value = None
             while value != "done":
                 key = f"announce/{self.next}"
-                try:
-                    # returns the moment the trainer sets it
-                    self.store.wait([key], timedelta(seconds=1))
-                except torch.distributed.DistStoreError:  # not yet set: still to come?
-                    if not self._skipped(key):
-                        continue
-                    value = None
-                else:
-                    value = self.store.get(key).decode()
-                    self._tell(self.pending.append, value)
+                # returns the moment the trainer sets it
+                self.store.wait([key], timedelta(days=365))
+                value = self.store.get(key).decode()
                 self.next += 1
+                if value != "skip":  # a number whose trainer died (elastic.watchdog)
+                    self._tell(self.pending.append, value)
         except Exception as e:  # noqa: BLE001
             self._tell(setattr, self, "error", e)
-
-    def _skipped(self, key) -> bool:
-        """A later number is counted and this one's key is still missing a second later: its
-        trainer died between counting it and setting it (WeightSender.announce)."""
-        if int(self.store.add("announced", 0)) <= self.next:
-            return False
-        time.sleep(1.0)
-        return not self.store.check([key])
 
     def _tell(self, *call):
         # RuntimeError: the actor ended first; its loop is closed, there is no one to tell
@@ -467,10 +449,10 @@ class Actor:
     async def run(self, stop: asyncio.Event) -> ActorState:
         cfg, st = self.cfg, self.st
         # from the next announcement on: the group that takes this incarnation in comes after it
-        announcements = Announcements(cfg, int(self.store.add("announced", 0)) + 1,
-                                      asyncio.get_running_loop(), self.wake)
-        self.register()
-        frozen, waiting_since = False, time.time()
+        self.announcements = announcements = Announcements(
+            cfg, int(self.store.add("announced", 0)) + 1, asyncio.get_running_loop(), self.wake)
+        elastic.register(self)
+        frozen = False
         while not stop.is_set():
             eval_error = self.eval_task and self.eval_task.done() and self.eval_task.exception()
             if error := st.error or announcements.error or eval_error:
@@ -484,13 +466,7 @@ class Actor:
                 # the trainer waits for every actor to see this (its last metrics written)
                 self.store.add("done_ack", 1)
                 break
-            if st.group is not None:
-                waiting_since = time.time()
-            elif time.time() - waiting_since > cfg.run.peer_timeout_s:
-                raise PeerTimeout(f"no weight group took incarnation {st.inc} in (or sent it "
-                                  f"weights) for {cfg.run.peer_timeout_s:.0f} s "
-                                  f"(run.peer_timeout_s): is trainer.py running? (the store: "
-                                  f"{cfg.sync.host}:{cfg.sync.port})")
+            elastic.watchdog(self)
             self.update(announcements.pending)
             # generate only with weights in effect, in a group
             self.publish_oldest()
@@ -513,16 +489,6 @@ class Actor:
             self.events.span(f"admission/{self.admission}", self.admission_since)
         self.push.close()
         return st
-
-    def register(self):
-        """A new incarnation of this actor in the store (actor/incarnations): the trainer takes it
-        into the next weight group once it beats (alive/<inc>, `log`)."""
-        self.st.inc = elastic.register(self.store)
-        self.st.group = self.joining = None
-        self.was_member = False
-        self.beat()
-        print(f"[actor] process {self.proc}: incarnation {self.st.inc}, waiting for a weight group",
-              flush=True)
 
     async def drop_all(self):
         """Cancel every request in flight (vLLM aborts them) and wait for their tasks: a cut, an
@@ -567,41 +533,14 @@ class Actor:
         while pending and pending[0] != "done":
             value = pending.pop(0)
             if value.startswith("group "):
-                await self.regroup(int(value.split()[1]))
+                await elastic.regroup(self, int(value.split()[1]))
             elif self.st.group is not None or self.joining is not None:
                 await self.take_version(int(value))
         self.wake.set()
 
-    async def regroup(self, g: int):
-        """Weight group g was formed (weights_sync.WeightServer): join it if a member, else (lost
-        to the trainer: silent too long, or slow to meet) come back as a new incarnation. At a cut,
-        or with a new trainer, everything in flight is given up and the budget starts afresh."""
-        cfg, st = self.cfg, self.st
-        info = json.loads(self.store.get(f"group/{g}"))
-        members = {int(inc): first for inc, first in info["members"].items()}
-        if st.inc not in members:
-            # was in one (its receive may have failed since, leaving it paused), or counted lost
-            # before it met in its first: excluded
-            if self.was_member or elastic.excluded(info, st.inc):
-                await self.drop_all()
-                self.register()
-            return
-        if info["cut"] != st.cut or info["epoch"] != st.epoch:
-            await self.drop_all()
-            st.cut, st.cut_version = info["cut"], info["version"]
-            st.redo, st.budget_ready = None, False
-            st.epoch = info["epoch"]
-        st.share = cfg.trainer.batch_size // len(members)
-        st.others = sorted(set(members) - {st.inc})
-        st.group = self.joining = self.published = None
-        world = 1 + len(members) * cfg.actor.engines * cfg.actor.tp
-        try:
-            await join_group(cfg, self.engines, g, members[st.inc], world)
-        except Exception as e:  # noqa: BLE001 - another member did not meet: the next group comes
-            print(f"[actor] weight group {g}: not formed ({e}); waiting for the next", flush=True)
-            return
-        # generation resumes once this group's first weights are in
-        self.joining, self.was_member = g, True
+    async def join(self, g: int, first_rank: int, world_size: int):
+        """Every engine's workers join weight group g (elastic.regroup decides when)."""
+        await join_group(self.cfg, self.engines, g, first_rank, world_size)
 
     async def take_version(self, version: int):
         """One announced version, in place (`update_weights`). A receive cut short (the trainer
@@ -764,16 +703,11 @@ class Actor:
         for name, value in values.items():
             self.st.window.setdefault(name, []).append(value)
 
-    def beat(self):
-        """The heartbeat: weights_sync.WeightServer counts an incarnation lost when it stops
-        changing for run.heartbeat_timeout_s (`log` rewrites it every run.log_every)."""
-        elastic.beat(self.store, self.st.inc, f"process {self.proc} on {os.uname().nodename}")
-
     def log(self, final: bool = False):
         now, st = time.time(), self.st
         if now - self.last_log < self.cfg.run.log_every and not final:
             return
-        self.beat()
+        elastic.beat(self)
         dt = now - self.last_log
 
         def get(name):
@@ -818,7 +752,6 @@ async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 
 # --- entry point ----------------------------------------------------------------------------------
 
 async def amain(cfg, store) -> int:
-    import torch.distributed
     proc_index = int(os.environ.get("ACTOR_PROC_INDEX", "0"))
     try:
         engines, stop = start_engines(cfg, proc_index), asyncio.Event()
@@ -830,13 +763,11 @@ async def amain(cfg, store) -> int:
         await init_sync(cfg, engines, proc_index)
         await run_actor(cfg, engines, store, stop, proc_index)
         return 0
-    except PeerTimeout as e:
+    except elastic.PeerTimeout as e:
         print(f"[actor] {e}", file=sys.stderr)
         return 2
     except torch.distributed.DistNetworkError as e:  # the store's process went away
-        print(f"[actor] lost the run's store at {cfg.sync.host}:{cfg.sync.port} (weights_sync.py, "
-              f"started by run.sh on node 0): {e}", file=sys.stderr)
-        return 3
+        return elastic.store_lost("actor", e)
     finally:
         for e in engines:
             e.shutdown()  # engine core and workers exit: no orphan vLLM processes

@@ -41,8 +41,15 @@ member's drops, plus, for an incarnation no longer a member, everything it start
 trained. From then on no sample of that incarnation is trained (the trainer filters each batch by
 the membership it published with, or a newer one), so nothing is given back twice.
 """
+import json
+import os
 import sys
+import threading
 import time
+
+import torch.distributed as dist
+
+import weights_sync as ws
 
 # a role's exit status when the run's store went away: run.sh then stops the node's roles
 STORE_LOST = 3
@@ -56,14 +63,80 @@ def store_lost(role: str, error) -> int:
 
 # --- actor side -----------------------------------------------------------------------------------
 
-def register(store) -> int:
-    """A new actor incarnation: the trainer takes it into its next weight group once it beats."""
-    return int(store.add("actor/incarnations", 1))
+class PeerTimeout(RuntimeError):
+    """No weight group took this actor in for run.peer_timeout_s: the trainer did not show up."""
 
 
-def beat(store, inc: int, text: str):
-    """The heartbeat (the trainer counts an incarnation lost when it stops changing)."""
-    store.set(f"alive/{inc}", f"{time.time():.1f} {text}")
+def register(actor):
+    """A new incarnation of this actor in the store (actor/incarnations): the trainer takes it into
+    the next weight group once it beats (alive/<inc>, `beat`)."""
+    st = actor.st
+    st.inc = int(actor.store.add("actor/incarnations", 1))
+    st.group = actor.joining = None
+    actor.was_member, actor.waiting_since = False, time.time()
+    actor.gap, actor.gap_checked = None, 0.0  # (watchdog)
+    beat(actor)
+    print(f"[actor] process {actor.proc}: incarnation {st.inc}, waiting for a weight group",
+          flush=True)
+
+
+def beat(actor):
+    """The heartbeat: the trainer counts an incarnation lost when it stops changing for
+    run.heartbeat_timeout_s (the actor's log rewrites it every run.log_every)."""
+    text = f"{time.time():.1f} process {actor.proc} on {os.uname().nodename}"
+    actor.store.set(f"alive/{actor.st.inc}", text)
+
+
+def watchdog(actor):
+    """Raise PeerTimeout when no weight group has taken this incarnation in (or sent it weights)
+    for run.peer_timeout_s. Once a second: an announcement number counted while a later one is,
+    and still without its key a second later, had its trainer die between counting and setting
+    it (weights_sync.announce): filled with "skip", or the announcements would wait for ever."""
+    cfg, now = actor.cfg, time.time()
+    if now - actor.gap_checked >= 1.0:
+        actor.gap_checked = now
+        key = f"announce/{actor.announcements.next}"
+        counted = int(actor.store.add("announced", 0)) > actor.announcements.next
+        missing = counted and not actor.store.check([key])
+        if missing and actor.gap == key:
+            actor.store.compare_set(key, "", "skip")
+        actor.gap = key if missing else None
+    if actor.st.group is not None:
+        actor.waiting_since = time.time()
+    elif time.time() - actor.waiting_since > cfg.run.peer_timeout_s:
+        raise PeerTimeout(f"no weight group took incarnation {actor.st.inc} in (or sent it "
+                          f"weights) for {cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s): is "
+                          f"trainer.py running? (the store: {cfg.sync.host}:{cfg.sync.port})")
+
+
+async def regroup(actor, g: int):
+    """Weight group g was formed (Membership.form): join it if a member, else, if it was in one or
+    was counted lost (silent too long, or slow to meet), come back as a new incarnation. At a cut,
+    or with a new trainer, everything in flight is given up and the budget starts afresh; this
+    incarnation generates again once the group's first weights are in."""
+    cfg, st = actor.cfg, actor.st
+    info = json.loads(actor.store.get(f"group/{g}"))
+    members = {int(inc): first for inc, first in info["members"].items()}
+    if st.inc not in members:
+        # (its receive may have failed since, leaving it paused)
+        if actor.was_member or st.inc in info["lost"]:
+            await actor.drop_all()
+            register(actor)
+        return
+    if info["cut"] != st.cut or info["epoch"] != st.epoch:
+        await actor.drop_all()
+        st.cut, st.cut_version, st.epoch = info["cut"], info["version"], info["epoch"]
+        st.redo, st.budget_ready = None, False
+    st.share = cfg.trainer.batch_size // len(members)
+    st.others = sorted(set(members) - {st.inc})
+    st.group = actor.joining = actor.published = None
+    world = 1 + len(members) * cfg.actor.engines * cfg.actor.tp
+    try:
+        await actor.join(g, members[st.inc], world)
+    except Exception as e:  # noqa: BLE001 - another member did not meet: the next group comes
+        print(f"[actor] weight group {g}: not formed ({e}); waiting for the next", flush=True)
+        return
+    actor.joining, actor.was_member = g, True
 
 
 def reserve(store, st, group_size: int, admit) -> bool:
@@ -155,10 +228,6 @@ def forwarded_groups(store, st, ids: list) -> list:
     return done
 
 
-def excluded(info: dict, inc: int) -> bool:
-    """Was this incarnation counted lost (it must come back as a new one)?"""
-    return inc in info.get("lost", [])
-
 # --- verifier side --------------------------------------------------------------------------------
 
 def register_verifier(store) -> int:
@@ -234,6 +303,16 @@ class Ledger:
         if ids:
             print(f"[trainer] {why}: {len(ids)} group ids to generate again first", flush=True)
 
+    def follow(self, group, version: int, force: bool = True):
+        """The books follow the weight group's cut (a new one starts them afresh), then publish
+        the budget for this version (`publish`)."""
+        if group.cut is None:
+            return
+        if group.cut != self.cut:
+            self.start_cut(group.cut, group.ids_below)
+            force = True
+        self.publish(version, set(group.members), force)
+
     def settle(self, pairs: list):
         """Once a step, with every rank's (rank, incarnation, seq) of the step's samples of this
         cut: count them consumed; give back the ones that will never arrive."""
@@ -276,3 +355,127 @@ class Ledger:
         if force or value != self.published:
             store.set(f"budget/{cut}", value)
             self.published = value
+
+
+class Membership:
+    """Trainer rank 0: which actor incarnations the weight group holds, and when it is formed anew
+    (weights_sync.WeightServer asks `due`, then `form`s it and broadcasts).
+
+    An actor incarnation registers (actor/incarnations) and beats (alive/<inc>, rewritten every
+    run.log_every); one whose beat has not changed for run.heartbeat_timeout_s (on this host's
+    clock), or that does not meet in a new group's rendezvous within it, is lost, for good: it
+    comes back as a new incarnation. gloo and NCCL groups are fixed at creation, so a change forms
+    a new group g (store prefix weights/<g>) of rank 0 and the live members' workers: group/<g>
+    holds its members (incarnation -> first rank), the latest cut, the trainer's epoch and
+    version, and the incarnations counted lost; "group <g>" is announced before its versions. The
+    old group is given up, which fails a receive still waiting on it at once.
+    Cuts: this trainer's first group, and the first after the verifier restarted, is a cut: the
+    actors give up what they have in flight and start their accounting afresh, and the trainer
+    never trains a sample of a group started before it (a restarted trainer's versions may come
+    from a timeline it never had; a restarted verifier lost what it held). `members` and `cut`
+    change before the group is announced."""
+
+    def __init__(self, cfg, epoch: int, on_cut=lambda store, g: 0):
+        self.cfg, self.epoch = cfg, epoch
+        # at a cut, before the group is announced: on_cut(store, g) -> the first group id of the
+        # new cut (`fence`)
+        self.on_cut, self.ids_below = on_cut, 0
+        # its own connection: the rendezvous blocks on it
+        self.store = ws.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
+        # the current group: its number, process group, members (incarnation -> first rank)
+        self.g, self.pg, self.members, self.cut = 0, None, {}, None
+        self.beats, self.lost = {}, set()  # inc -> (last beat value, when it changed here)
+        self.verifier = None  # the verifier incarnation at the last cut
+        # the watcher's latest look: live incarnations (None: not yet), the verifier's incarnation
+        self.live, self.verifier_now = None, None
+        self.wake, self.closed = threading.Event(), False
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def due(self, broken: bool) -> bool:
+        """Must a new group be formed (a member lost or joined, the verifier restarted, or the
+        last broadcast failed)? No actor before and none now: nothing to form (a restarted
+        trainer's first look comes before it has seen any beat change)."""
+        if self.live is None:  # the watcher's first look is yet to come
+            return False
+        changed = broken or set(self.live) != set(self.members) or self.verifier_now != self.verifier
+        return changed and bool(self.live or self.members)
+
+    def form(self, version: int):
+        """A new group of rank 0 and the live incarnations' workers, announced -> its process
+        group (None: no member). Members that do not meet in it within run.heartbeat_timeout_s
+        are lost (the next one is formed without them)."""
+        live, store, cfg = list(self.live), self.store, self.cfg
+        cut = self.cut is None or self.verifier_now != self.verifier
+        self.verifier = self.verifier_now  # a cut announced stays the cut if its group fails
+        old, self.pg = self.pg, None
+        ws.abandon(old)  # a broadcast still waiting on the old group fails now
+        per = cfg.actor.engines * cfg.actor.tp  # weight ranks of an actor
+        g = int(store.add("group/count", 1))
+        members = {inc: 1 + k * per for k, inc in enumerate(sorted(live))}
+        # a cut fences the run's group ids; a new member (every member at a cut) starts no group
+        # older than the weights it is about to get
+        if cut:
+            self.ids_below = self.on_cut(store, g)
+        for inc in members if cut else set(members) - set(self.members):
+            store.set(f"oldest/{inc}", f"{g if cut else self.cut} {version}")
+        self.g, self.members = g, members
+        self.cut = g if cut else self.cut
+        info = {"members": members, "cut": self.cut, "epoch": self.epoch, "version": version,
+                "lost": sorted(self.lost)}
+        store.set(f"group/{g}", json.dumps(info))
+        ws.announce(store, f"group {g}")
+        if not members:
+            return None
+        try:
+            self.pg = ws.init_group(store, 0, 1 + len(members) * per, "auto", cfg.sync.timeout_s,
+                                    f"weights/{g}", cfg.run.heartbeat_timeout_s,
+                                    lambda: bool(set(members) & self.lost))
+        except dist.DistStoreError:
+            met = [store.check([f"weights/{g}/joined/{rank}"]) for rank in members.values()]
+            for inc in [inc for inc, ok in zip(members, met) if not ok]:
+                print(f"[trainer] actor incarnation {inc} lost: not in weight group {g} within "
+                      f"{cfg.run.heartbeat_timeout_s:.0f} s (run.heartbeat_timeout_s)", flush=True)
+                self.lost.add(inc)
+            raise
+        return self.pg
+
+    def _watch(self):
+        """Every 0.5 s (a thread and a store connection of its own): which incarnations are alive
+        (`live`), and the verifier's incarnation. A member that is lost has its group given up at
+        once: a broadcast waiting on a dead or unreachable host fails now, not after
+        sync.timeout_s (NCCL's answer to a lost member too: abort the communicator)."""
+        store = ws.create_store(self.store.host, self.store.port, False,
+                                self.cfg.run.peer_timeout_s)
+        while not self.closed:
+            try:
+                self.live = self._live(store)
+                self.verifier_now = int(store.add("verifier/incarnations", 0))
+            except Exception as e:  # noqa: BLE001 - the store unreachable for a moment: next turn
+                print(f"[trainer] the store: {type(e).__name__}: {e}", flush=True)
+            if self.live is not None and set(self.members) - set(self.live):
+                ws.abandon(self.pg)
+            if set(self.live or ()) != set(self.members) or self.verifier_now != self.verifier:
+                self.wake.set()
+            time.sleep(0.5)
+
+    def _live(self, store) -> list:
+        """Registered actor incarnations whose beat changed within run.heartbeat_timeout_s, as this
+        trainer watched it (on its own clock: the actors' clocks may differ). A beat seen once
+        proves nothing (a dead incarnation's last one stays in the store): it must change."""
+        now, limit = time.monotonic(), self.cfg.run.heartbeat_timeout_s
+        count = int(store.add("actor/incarnations", 0))
+        incs = [i for i in range(1, count + 1) if i not in self.lost]
+        beating = [i for i in incs if store.check([f"alive/{i}"])]
+        values = store.multi_get([f"alive/{i}" for i in beating]) if beating else []
+        for inc, value in zip(beating, values):
+            if inc not in self.beats:
+                self.beats[inc] = (value, None)  # first seen: not yet known to be alive
+            elif self.beats[inc][0] != value:
+                self.beats[inc] = (value, now)
+        beating = [i for i in beating if self.beats[i][1] is not None]
+        gone = {i for i in beating if now - self.beats[i][1] > limit}
+        for inc in gone & set(self.members):
+            print(f"[trainer] actor incarnation {inc} lost: no heartbeat for {limit:.0f} s "
+                  "(run.heartbeat_timeout_s)", flush=True)
+        self.lost |= gone
+        return [i for i in beating if i not in gone]

@@ -859,7 +859,7 @@ def main():
             tokenizer = AutoTokenizer.from_pretrained(src)
 
     # --- weight group (trainer rank 0 + every live actor's workers): this version first ---
-    server, books = None, None
+    server, group, books = None, None, None
     epoch = int(store.add("trainer/epoch", 1)) if is_main() else 0
     if is_main() and epoch <= state.epoch:  # a whole run resumed: a new store counts from 1 again
         epoch = int(store.add("trainer/epoch", state.epoch + 1 - epoch))
@@ -868,26 +868,22 @@ def main():
         # each cut fences the run's group ids; the ones below it never trained are generated again
         # first (elastic.Ledger.start_cut): in flight at the checkpoint, or given up at the cut
         floor = state.max_group_id + 1
-        server = weights_sync.WeightServer(cfg, epoch, state.step, device,
-                                           on_cut=lambda s, g: elastic.fence(s, g, floor))
+        group = elastic.Membership(cfg, epoch, on_cut=lambda s, g: elastic.fence(s, g, floor))
+        server = weights_sync.WeightServer(cfg, state.step, device, group)
         books = elastic.Ledger(store, world(), state)
     epoch = all_gather_ints([epoch] if is_main() else [], device)[0][0] if world() > 1 else epoch
     send_weights(state, server, store, cfg, wait=True)
 
     def keep_books(force=False):
-        """Rank 0: the books follow the weight group's cut; the budget goes out (elastic.py)."""
-        if not is_main() or server.cut is None:
-            return
-        if server.cut != books.cut:
-            books.start_cut(server.cut, server.ids_below)
-            force = True
-        books.publish(state.step, set(server.members), force)
+        """Rank 0: the budget goes out (elastic.Ledger), while the trainer waits and each step."""
+        if is_main():
+            books.follow(group, state.step, force)
 
     def view():
         """Rank 0: the members and the cut of the books (samples of a newer cut cannot exist
         before the books publish its budget)."""
         keep_books()
-        return set(server.members), books.cut
+        return set(group.members), books.cut
 
     # --- samples: each rank pulls its own share from the verifier ---
     addr = common.zmq_addr(cfg.ports.host, cfg.ports.samples)

@@ -72,9 +72,11 @@ def serve_store(cfg):
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
 
 def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout_s: float = 300.0,
-               name: str = "weights", join_timeout_s: float = None):
+               name: str = "weights", join_timeout_s: float = None, given_up=lambda: False):
     """A process group outside both programs' default worlds (docs/DESIGN.md,
-    "Two programs, one gloo group"), its keys under `name` in the store."""
+    "Two programs, one gloo group"), its keys under `name` in the store. Once every rank has met,
+    building it and its first collective end early when `given_up()` turns true (a member lost
+    meanwhile), looked at every 0.2 s."""
     backend = ("nccl" if torch.cuda.is_available() else "gloo") if backend == "auto" else backend
     prefix, timeout = dist.PrefixStore(name, store), datetime.timedelta(seconds=timeout_s)
     # Every rank meets in the store first: a rank that never comes raises DistStoreError here after
@@ -83,41 +85,52 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
     prefix.set(f"joined/{rank}", "1")
     prefix.wait([f"joined/{r}" for r in range(world_size)],
                 datetime.timedelta(seconds=join_timeout_s or timeout_s))
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-    else:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        # Blocking wait for this group only (read when a group is built): a collective that
-        # outlives timeout_s then raises in the waiting thread, which names the weight group, as
-        # gloo does. By default NCCL's watchdog would abort the whole process instead, with no word
-        # on what to check. (the environment is restored as it was on the way out)
-        with mock.patch.dict(os.environ, {"TORCH_NCCL_BLOCKING_WAIT": "1"}):
-            pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-    # A first collective, bounded here: NCCL builds its communicator at the first one, beyond
-    # blocking wait's reach, and a peer that met in the store but cannot connect (a wrong
-    # NCCL_SOCKET_IFNAME) would hang it for ever, silently. In a thread (on this thread's device),
-    # left behind if it hangs: nothing cancels a collective.
-    first, box = torch.zeros(1, device=_device(pg)), {}
-    device = torch.cuda.current_device() if pg.name() == "nccl" else None
+    # Building the group (gloo connects every pair of ranks) and a first collective, bounded here:
+    # NCCL builds its communicator at the first one, beyond blocking wait's reach, and a peer that
+    # met in the store but cannot connect (a wrong NCCL_SOCKET_IFNAME), or died since, would hang
+    # it for ever, silently. In a thread (on this thread's device), left behind if it hangs:
+    # nothing cancels a collective.
+    box = {}
+    device = torch.cuda.current_device() if backend == "nccl" else None
 
-    def broadcast():
+    def build():
         if device is not None:
             torch.cuda.set_device(device)
         try:
-            pg.broadcast(first, 0).wait()
-            box["done"] = True
+            pg = _new_group(backend, prefix, rank, world_size, timeout)
+            pg.broadcast(torch.zeros(1, device=_device(pg)), 0).wait()
+            box["pg"] = pg
         except Exception as e:  # noqa: BLE001 - raised below, in the caller's thread
             box["error"] = e
-    thread = threading.Thread(target=broadcast, daemon=True)
+    thread = threading.Thread(target=build, daemon=True)
     thread.start()
-    thread.join(timeout_s)
-    if "done" not in box:
-        cause = box.get("error", f"no end after {timeout_s:.0f} s (sync.timeout_s)")
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and time.monotonic() < deadline and not given_up():
+        thread.join(0.2)
+    if "pg" not in box:
+        cause = box.get("error", "a member was lost meanwhile" if given_up() else
+                        f"no end after {timeout_s:.0f} s (sync.timeout_s)")
         raise RuntimeError(f"the weight group's first broadcast (rank {rank} of {world_size}, store "
                            f"at {store.host}:{store.port}: sync.host:sync.port) failed: {cause}; is "
                            "every member up (trainer.py, and every actor.py's vLLM workers)?")
-    return pg
+    return box["pg"]
+
+def _new_group(backend: str, prefix, rank: int, world_size: int, timeout):
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    # Blocking wait for this group only (read when a group is built): a collective that outlives
+    # timeout_s then raises in the waiting thread, which names the weight group, as gloo does. By
+    # default NCCL's watchdog would abort the whole process instead, with no word on what to
+    # check. (the environment is restored as it was on the way out)
+    with mock.patch.dict(os.environ, {"TORCH_NCCL_BLOCKING_WAIT": "1"}):
+        return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+
+def later_group(store, g: int) -> bool:
+    """Has a weight group after g been formed? Its number counted and its key set (a trainer that
+    died between the two left a number without a key: a later one's key counts too)."""
+    return any(store.check([f"group/{h}"]) for h in range(g + 1, int(store.add("group/count", 0)) + 1))
 
 # Groups given up (`abandon`), by id. NCCL: the shutdown aborts the communicator, and a collective
 # waiting on it fails at once. gloo: its shutdown ends nothing (measured: a broadcast waiting on a peer
@@ -178,6 +191,16 @@ def bucket_layout(manifest, bucket_bytes: int):
                             bucket=len(sizes) - 1, offset=offset, nbytes=nbytes, own=alone))
     return entries, sizes
 
+def announce(store, value: str):
+    """The next `announce/<n>`: a version about to be broadcast, "group <g>" (a new weight group,
+    elastic.Membership), or "done". Set only where no key is (compare-and-set): an actor fills a
+    number whose writer died between counting and setting it with "skip" (elastic.watchdog), and
+    a writer that finds its number so filled takes the next."""
+    while True:
+        n = int(store.add("announced", 1))
+        if store.compare_set(f"announce/{n}", "", value).decode() == value:
+            return
+
 class WeightSender:
     """Trainer rank 0's side. Memory: two staging buckets, the tensor on the wire and the one
     yielded, which the iterator's next yield must not overwrite (trainer.py allocates each gathered
@@ -189,9 +212,8 @@ class WeightSender:
         self.staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
     def announce(self, value: str):
-        """The next `announce/<n>`: a version about to be broadcast, "group <g>" (WeightServer), or
-        "done" (the actors exit)."""
-        self.store.set(f"announce/{int(self.store.add('announced', 1))}", value)
+        """The next announcement: a version about to be broadcast, or "done" (the actors exit)."""
+        announce(self.store, value)
 
     def send(self, version: int, named_tensors, manifest):
         entries, sizes = bucket_layout(manifest, self.bucket_bytes)
@@ -230,31 +252,16 @@ class WeightSender:
             wait(work, pg)
 
 class WeightServer:
-    """Trainer rank 0's side of the weight group, elastic: a thread of its own keeps the group's
-    members to the actor incarnations that are alive and broadcasts the newest weights to them,
-    while the trainer trains its next step (sync.async_send=false: the trainer waits for each).
-
-    Membership (store keys): an actor incarnation registers (`actor/<inc>`) and beats (`alive/<inc>`,
-    rewritten every run.log_every); one whose beat has not changed for run.heartbeat_timeout_s, or
-    that does not meet in a new group's rendezvous within it, is lost. gloo and NCCL groups are fixed
-    at creation, so a change forms a new group g (store prefix weights/<g>) of rank 0 and the live
-    members' workers: `group/<g>` holds its members (incarnation -> first rank), the latest cut, the
-    trainer's epoch and version, and "group <g>" is announced before its versions. The old group is
-    shut down, which fails a receive still waiting on it at once. A new group's first broadcast is
-    the newest copy this server holds: a (re)joining actor gets the newest weights first.
-    Cuts: this trainer's first group, and the first after the verifier restarted, is a cut: the
-    trainer never trains a sample of a group started before it (after a trainer restart its
-    versions may come from a timeline this trainer never had; a restarted verifier lost what it
-    held), and the actors start their accounting afresh. `members` and `cut` change before the
-    group is announced: the trainer filters its samples by them (trainer.pull_samples).
+    """Trainer rank 0's side of the weight group: a thread of its own broadcasts the newest weights
+    to the group's members while the trainer trains its next step (sync.async_send=false: the
+    trainer waits for each). Who the members are, and when a new group is formed, is `group`'s
+    (elastic.Membership: the live actor incarnations). A new group's first broadcast is the
+    newest copy this server holds: a (re)joining actor gets the newest weights first.
     Memory: one full copy of the weights, written by `send` while no broadcast reads it."""
 
-    def __init__(self, cfg, epoch: int, version: int, device, on_cut=lambda store, g: 0):
-        sync, self.cfg, self.epoch, self.version = cfg.sync, cfg, epoch, version
-        # at a cut, before the group is announced: on_cut(store, g) -> the first group id of the
-        # new cut (elastic.fence)
-        self.on_cut, self.ids_below = on_cut, 0
-        # its own connection: the rendezvous blocks on it
+    def __init__(self, cfg, version: int, device, group):
+        sync, self.cfg, self.version, self.group = cfg.sync, cfg, version, group
+        # its own connection: the broadcast's announcements
         self.store = create_store(sync.host, sync.port, False, cfg.run.peer_timeout_s)
         self.sender = WeightSender(self.store, None, sync.bucket_mb, device)
         # CUDA: the thread's work gets a stream of its own. A new thread's current stream is the
@@ -264,18 +271,16 @@ class WeightServer:
         # the copy, its manifest, and whether the current group has yet to get it
         self.copy, self.manifest, self.fresh = {}, None, False
         self.lock = threading.Lock()  # held while the copy is written or on the wire
-        # the current group: its number, process group, members (incarnation -> first rank)
-        self.g, self.pg, self.members, self.cut = 0, None, {}, None
         self.broken = False  # a broadcast failed: a member is gone
-        self.beats, self.lost = {}, set()  # inc -> (last beat value, when it changed here)
-        self.verifier = None  # the verifier incarnation at the last cut
         self.error = None  # what stops the trainer (a mismatching manifest)
         self.closed = False
-        self.wake = threading.Event()
-        # the watcher's latest look: live incarnations (None: not yet), the verifier's incarnation
-        self.live, self.verifier_now = None, None
-        threading.Thread(target=self._watch, daemon=True).start()
+        self.wake = group.wake  # set on a new copy, and on a change of members
         threading.Thread(target=self._run, daemon=True).start()
+
+    @property
+    def members(self) -> dict:
+        """The current group's members: actor incarnation -> its first rank."""
+        return self.group.members
 
     def send(self, version: int, named_tensors, wait: bool):
         """Copy the gathered weights (`named_tensors`, consumed whole: the other ranks gather with
@@ -326,7 +331,7 @@ class WeightServer:
         self.drain()
         with self.lock:
             self.sender.announce(last)
-            self.closed = True  # the thread stops at its next turn
+            self.closed = self.group.closed = True  # the threads stop at their next turn
 
     def _run(self):
         if self.stream is not None:
@@ -335,16 +340,11 @@ class WeightServer:
             self.wake.wait(0.5)
             self.wake.clear()
             try:
-                live, verifier = self.live, self.verifier_now
-                if live is None:  # the watcher's first look is yet to come
-                    continue
-                changed = self.broken or set(live) != set(self.members) or verifier != self.verifier
-                # no actor before and none now: nothing to form (a restarted trainer's first look
-                # comes before it has seen any beat change; an empty group would exclude them all)
-                if changed and (live or self.members):
-                    cut = self.cut is None or verifier != self.verifier
-                    self.verifier = verifier  # a cut announced stays the cut if its group fails
-                    self._regroup(live, cut)
+                if self.group.due(self.broken):
+                    self.broken, self.sender.pg = False, None
+                    # the new group gets the newest weights first
+                    self.fresh = bool(self.copy)
+                    self.sender.pg = self.group.form(self.version)
                 if self.fresh and self.members:
                     with self.lock, contextlib.ExitStack() as scope:
                         self.fresh = False
@@ -357,86 +357,10 @@ class WeightServer:
             except ManifestError as e:  # the trainer's model is not the engines': stop
                 self.error = e
             except Exception as e:  # noqa: BLE001 - a member is gone: re-form without it
-                print(f"[trainer] weight group {self.g}: {type(e).__name__}: {e}; forming a "
+                print(f"[trainer] weight group {self.group.g}: {type(e).__name__}: {e}; forming a "
                       "new one of the actors that are alive", flush=True)
                 self.broken = True
                 self.wake.set()
-
-    def _watch(self):
-        """Every 0.5 s (a thread and a store connection of its own): which incarnations are alive
-        (`live`), and the verifier's incarnation. A member that is lost has its group shut down at
-        once: a broadcast waiting on a dead or unreachable host fails now, not after
-        sync.timeout_s (NCCL's answer to a lost member too: abort the communicator)."""
-        store = create_store(self.store.host, self.store.port, False, self.cfg.run.peer_timeout_s)
-        while not self.closed:
-            try:
-                self.live = self._live(store)
-                self.verifier_now = int(store.add("verifier/incarnations", 0))
-            except Exception as e:  # noqa: BLE001 - the store unreachable for a moment: next turn
-                print(f"[trainer] the store: {type(e).__name__}: {e}", flush=True)
-            if self.live is not None and set(self.members) - set(self.live):
-                abandon(self.pg)
-            if set(self.live or ()) != set(self.members) or self.verifier_now != self.verifier:
-                self.wake.set()
-            time.sleep(0.5)
-
-    def _live(self, store) -> list:
-        """Registered actor incarnations whose beat changed within run.heartbeat_timeout_s, as this
-        server watched it (on this host's clock: the actors' clocks may differ). A beat seen once
-        proves nothing (a dead incarnation's last one stays in the store): it must change."""
-        now, limit = time.monotonic(), self.cfg.run.heartbeat_timeout_s
-        count = int(store.add("actor/incarnations", 0))
-        incs = [i for i in range(1, count + 1) if i not in self.lost]
-        beating = [i for i in incs if store.check([f"alive/{i}"])]
-        values = store.multi_get([f"alive/{i}" for i in beating]) if beating else []
-        for inc, value in zip(beating, values):
-            if inc not in self.beats:
-                self.beats[inc] = (value, None)  # first seen: not yet known to be alive
-            elif self.beats[inc][0] != value:
-                self.beats[inc] = (value, now)
-        beating = [i for i in beating if self.beats[i][1] is not None]
-        gone = {i for i in beating if now - self.beats[i][1] > limit}
-        for inc in gone & set(self.members):
-            print(f"[trainer] actor incarnation {inc} lost: no heartbeat for {limit:.0f} s "
-                  "(run.heartbeat_timeout_s)", flush=True)
-        self.lost |= gone
-        return [i for i in beating if i not in gone]
-
-    def _regroup(self, live: list, cut: bool):
-        """A new group of rank 0 and `live`'s workers, announced; members that do not meet in it
-        within run.heartbeat_timeout_s are lost (the next turn forms one without them)."""
-        old, self.pg, self.sender.pg = self.pg, None, None
-        abandon(old)  # a broadcast still waiting on the old group fails now
-        per = self.cfg.actor.engines * self.cfg.actor.tp  # weight ranks of an actor
-        g = int(self.store.add("group/count", 1))
-        members = {inc: 1 + k * per for k, inc in enumerate(sorted(live))}
-        # a cut fences the run's group ids (the trainer lists those below it to do again); a new
-        # member (every member at a cut) starts no group older than the weights it is about to get
-        if cut:
-            self.ids_below = self.on_cut(self.store, g)
-        for inc in members if cut else set(members) - set(self.members):
-            self.store.set(f"oldest/{inc}", f"{g if cut else self.cut} {self.version}")
-        self.g, self.members, self.broken = g, members, False
-        self.cut = g if cut else self.cut
-        info = {"members": members, "cut": self.cut, "epoch": self.epoch, "version": self.version,
-                "lost": sorted(self.lost)}
-        self.store.set(f"group/{g}", json.dumps(info))
-        # the new group gets the newest weights first
-        self.fresh = bool(self.copy)
-        self.sender.announce(f"group {g}")
-        if not members:
-            return
-        try:
-            self.pg = self.sender.pg = init_group(
-                self.store, 0, 1 + len(members) * per, "auto", self.cfg.sync.timeout_s,
-                f"weights/{g}", self.cfg.run.heartbeat_timeout_s)
-        except dist.DistStoreError:
-            met = [self.store.check([f"weights/{g}/joined/{rank}"]) for rank in members.values()]
-            for inc in [inc for inc, ok in zip(members, met) if not ok]:
-                print(f"[trainer] actor incarnation {inc} lost: not in weight group {g} within "
-                      f"{self.cfg.run.heartbeat_timeout_s:.0f} s (run.heartbeat_timeout_s)", flush=True)
-                self.lost.add(inc)
-            raise
 
 # --- receiver -------------------------------------------------------------------------------------
 
@@ -668,15 +592,13 @@ class WeightUpdateExtension:
         abandon(self._ws_pg)
         rank = rank_base + self._ws_tp
         self._ws_pg = init_group(self._ws_store, rank, world_size, "auto", self._ws_timeout,
-                                 f"weights/{g}", join_timeout_s)
+                                 f"weights/{g}", join_timeout_s,
+                                 lambda: later_group(self._ws_store, g))
         store = create_store(self._ws_store.host, self._ws_store.port, False, self._ws_timeout)
 
         def watch(pg):
-            # a later group formed: its number counted and its key set (a trainer that died
-            # between the two left a number without a key: a later one's key counts too)
             with contextlib.suppress(Exception):  # the engine shut down first
-                while not any(store.check([f"group/{h}"])
-                              for h in range(g + 1, int(store.add("group/count", 0)) + 1)):
+                while not later_group(store, g):
                     time.sleep(0.5)
             abandon(pg)
         threading.Thread(target=watch, args=(self._ws_pg,), daemon=True).start()

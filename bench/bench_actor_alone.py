@@ -45,6 +45,8 @@ def main():
     import zmq
     import actor
     import common
+    import elastic
+    from types import SimpleNamespace
     from scripts.rundir import read_events, read_jsonl
     import weights_sync as ws
     from safetensors.torch import load_file
@@ -70,9 +72,17 @@ def main():
     async def run():
         engine = actor.start_engines(cfg)[0]
         await actor.init_sync(cfg, [engine])
-        # trainer rank 0's side: takes the actor into its group once it beats, then sends version 0
-        store.set("redo/1", "")
-        server = ws.WeightServer(cfg, epoch=1, version=0, device=torch.device("cpu"))
+        # trainer rank 0's side: takes the actor into its group once it beats, sends version 0, and
+        # publishes the (unbounded: max_lag) budget as the trainer's books do
+        group = elastic.Membership(cfg, epoch=1, on_cut=elastic.fence)
+        server = ws.WeightServer(cfg, version=0, device=torch.device("cpu"), group=group)
+        books = elastic.Ledger(store, 1, SimpleNamespace(trained_below=0, trained=set()))
+
+        def keep_books():
+            while not stop.is_set():
+                books.follow(group, 0, force=False)
+                time.sleep(0.2)
+        threading.Thread(target=keep_books, daemon=True).start()
         server.send(0, iter(sd.items()), wait=True)
         halt = asyncio.Event()
         task = asyncio.ensure_future(actor.run_actor(cfg, [engine], store, halt))

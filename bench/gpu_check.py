@@ -50,6 +50,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import common  # noqa: E402
+import elastic  # noqa: E402
 import trainer  # noqa: E402
 import weights_sync  # noqa: E402
 from conftest import free_port, receive_weights  # noqa: E402
@@ -156,7 +157,8 @@ def sender_stream():
         return {"skipped": True, "verdict": "CPU: no streams"}
     store = weights_sync.create_store("127.0.0.1", free_port(), True, 60)  # the run's store
     cfg = common.load_config([f"sync.port={store.port}"])
-    server = weights_sync.WeightServer(cfg, epoch=1, version=0, device=dev())  # no actor: sent to nobody
+    group = elastic.Membership(cfg, epoch=1)  # no actor: sent to nobody
+    server = weights_sync.WeightServer(cfg, version=0, device=dev(), group=group)
     assert server.stream is not None and server.stream != torch.cuda.current_stream(), "no stream of its own"
     named = [("w", torch.randn(1024, 1024, device=dev()))]
     with torch.cuda.stream(server.stream):

@@ -883,7 +883,7 @@ def test_weight_server_newest_only_bit_identical(env):
             beats.set(f"alive/{inc}", str(time.time()))
             time.sleep(0.2)
     threading.Thread(target=beat, daemon=True).start()
-    server = ws.WeightServer(cfg, epoch=1, version=v0, device=torch.device("cpu"))
+    server = ws.WeightServer(cfg, version=v0, device=torch.device("cpu"), group=elastic.Membership(cfg, epoch=1))
 
     def trainer_thread():
         for v in versions:

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
+import elastic  # noqa: E402
 import loss  # noqa: E402
 import trainer  # noqa: E402
 from conftest import FakeActor, forkserver, free_port, read_jsonl, receive_weights  # noqa: E402
@@ -379,7 +380,7 @@ def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
     state = trainer.build_state(cfg, CPU, model=tiny_model())
     store, server = ws.create_store("127.0.0.1", sync_port, False, 60), None
     if trainer.is_main():  # the broadcast runs in the WeightServer's thread
-        server = ws.WeightServer(cfg, epoch=1, version=0, device=CPU)
+        server = ws.WeightServer(cfg, version=0, device=CPU, group=elastic.Membership(cfg, epoch=1))
         while not server.members:  # the actor in the group: it gets both versions
             time.sleep(0.05)
     trainer.send_weights(state, server, store, cfg, wait=True)
@@ -632,7 +633,6 @@ def test_ids_to_do_again_at_a_cut():
     first), leaving out the ones the verifier dropped for good; a checkpoint keeps only the ids above the
     first untrained one."""
     import weights_sync as ws
-    import elastic
     from types import SimpleNamespace
     store = ws.create_store("127.0.0.1", 0, True, 30)
     state = SimpleNamespace(trained_below=0, trained={0, 1, 3, 5, 6}, max_group_id=6)
@@ -686,7 +686,7 @@ def test_membership_follows_heartbeats_judged_by_this_hosts_clock(tmp_path):
     store = ws.create_store("127.0.0.1", 0, True, 30)
     cfg = make_cfg(tmp_path, **{"sync.port": store.port, "run.heartbeat_timeout_s": 2.0})
     behind, ahead = FakeActor(store.port, clock_skew_s=-3600), FakeActor(store.port, clock_skew_s=3600)
-    server = ws.WeightServer(cfg, epoch=1, version=0, device=CPU)
+    server = ws.WeightServer(cfg, version=0, device=CPU, group=elastic.Membership(cfg, epoch=1))
     deadline = time.time() + 30
     while set(server.members) != {behind.inc, ahead.inc} and time.time() < deadline:
         time.sleep(0.1)

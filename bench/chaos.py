@@ -1,0 +1,245 @@
+"""Fault soak: SIGKILL roles of a running run at steps drawn by a seed, measure how long training
+stops after each death, and check the run's invariants at the end (scripts/check_run.py).
+
+    .venv/bin/python bench/chaos.py --kills 20 --seed 0 [--actors 2] [--nproc 2] [--workers 4]
+        [--max-lag 4] [--kinds actor,verifier,...] [--out DIR] [--model DIR] [section.key=value ...]
+
+The run: `bash run.sh` nodes on loopback. With --actors 1, one node runs every role; with more,
+node 0 runs the store, the verifier and the trainer (trainer.nproc=--nproc ranks) and nodes
+1..actors an actor each. run.max_restarts is above the kills of any role. Each kill is drawn:
+  actor       one actor process (a node's; any of them)
+  verifier    the verifier
+  trainer     one trainer rank (drawn among trainer.nproc; torchrun restarts them together)
+  two         two at once: an actor and the verifier, or an actor and the trainer
+  regroup     an actor, then (with two or more actors) another while the weight group re-forms
+  checkpoint  the trainer, right after it wrote a checkpoint
+then the next kill comes a drawn 5-15 steps after training moved again. The run is long enough for
+every kill (trainer.max_steps) and ends by itself.
+
+Reported (one line per kill, then a summary; JSON in OUT/chaos.json): the stall after each death,
+the longest gap between two trainer steps from the kill until training has made 5 steps again,
+against the bound stated for what died:
+  an actor with another one alive   run.heartbeat_timeout_s + 30 s (its loss noticed, a regroup)
+  the only actor                    180 s (a new engine starts: ~20 s alone, more on busy cores)
+  the verifier                      90 s (a new process, then a cut)
+  the trainer                       150 s (torchrun's ranks start again, load the checkpoint)
+and kills survived, the invariants' verdict, roles that run.sh restarted without being killed,
+samples given back (the actors' `returned`) and discarded (the trainer's).
+"""
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from scripts import check_run  # noqa: E402
+from scripts.rundir import read_jsonl  # noqa: E402
+
+KINDS = ["actor", "verifier", "trainer", "two", "regroup", "checkpoint"]
+WEIGHTS = [4, 2, 2, 1, 1, 1]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan(kills: int, seed: int, actors: int, kinds=KINDS) -> list:
+    """[(kind, gap in steps)] drawn by the seed, among `kinds`."""
+    rng = random.Random(seed)
+    out = []
+    weights = [w for k, w in zip(KINDS, WEIGHTS) if k in kinds]
+    for _ in range(kills):
+        kind = rng.choices([k for k in KINDS if k in kinds], weights)[0]
+        if kind == "regroup" and actors < 2:
+            kind = "actor"
+        out.append((kind, rng.randint(5, 15)))
+    return out
+
+
+def role_processes(role: str) -> list:
+    """The live processes running `role`.py (trainer: one per rank, not torchrun; actor: one per
+    node, not its vLLM engine core)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        launcher = any(c.endswith("torchrun") or "torch.distributed.run" in c for c in cmd)
+        if not launcher and any(c.endswith(f"{role}.py") for c in cmd[1:3]):
+            found.append(p)
+    return found
+
+
+def kill(role: str, rng) -> str:
+    """SIGKILL one process of `role` drawn by rng -> what was killed."""
+    procs = sorted(role_processes(role), key=lambda p: p.pid)
+    if not procs:
+        return f"{role}: none running"
+    p = rng.choice(procs)
+    try:
+        rank = p.environ().get("RANK", "") if role == "trainer" else ""
+        node = p.environ().get("NODE_RANK", "") if role == "actor" else ""
+        p.kill()
+    except psutil.NoSuchProcess:
+        return f"{role}: gone before the kill"
+    where = f" rank {rank}" if rank else f" node {node}" if node else ""
+    return f"{role}{where} (pid {p.pid})"
+
+
+def steps_times(run_dir: Path) -> list:
+    """[(time, step)] of the trainer's step records, in the order written."""
+    return [(r["time"], r["step"]) for r in read_jsonl(run_dir / "metrics_trainer.jsonl")
+            if "trainer/loss" in r]
+
+
+def wait_steps_after(run_dir: Path, t: float, n: int, timeout: float, nodes) -> bool:
+    """Wait until the trainer has logged n steps after time t."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if sum(1 for tt, _ in steps_times(run_dir) if tt > t) >= n:
+            return True
+        if nodes[0].poll() is not None:
+            return False
+        time.sleep(0.5)
+    return False
+
+
+def stall_after(run_dir: Path, t: float, n: int = 5) -> float:
+    """The longest gap from the kill at t to the trainer's n-th step record after it."""
+    times = [tt for tt, _ in steps_times(run_dir) if tt > t][:n]
+    edges = [t, *times]
+    return max((b - a for a, b in zip(edges, edges[1:])), default=float("nan"))
+
+
+def bound_for(kind: str, actors: int, heartbeat_s: float) -> tuple:
+    """(seconds, what) training may stand still after this kill."""
+    if kind in ("trainer", "checkpoint", "two"):
+        return 150.0, "trainer: restart + checkpoint load"
+    if kind == "regroup":
+        return 180.0, "both actors: an engine's start"
+    if kind == "verifier":
+        return 90.0, "verifier: restart + cut"
+    if actors >= 2 and kind == "actor":
+        return heartbeat_s + 30.0, "actor with a survivor: heartbeat timeout + regroup"
+    return 180.0, "no actor left: an engine's start"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--max-lag", type=int, default=4)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="what may be killed, comma-separated")
+    ap.add_argument("--model", default=str(REPO / "assets" / "tiny-model"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args(argv)
+    out = Path(a.out or REPO / "runs" / "chaos" / f"k{a.kills}-s{a.seed}-lag{a.max_lag}-{int(time.time())}")
+    run_dir = out / "run"
+    out.mkdir(parents=True, exist_ok=True)
+    kills = plan(a.kills, a.seed, a.actors, a.kinds.split(","))
+    heartbeat_s = 3.0
+    cfg = {"model.path": a.model, "run.dir": run_dir, "trainer.max_steps": 40 + 30 * a.kills,
+           "trainer.batch_size": 32, "actor.group_size": 4, "actor.max_tokens": 24,
+           "actor.max_lag": a.max_lag, "actor.max_inflight": 32, "actor.eval_every": 0,
+           "trainer.checkpoint_every": 10, "trainer.nproc": a.nproc, "verifier.workers": a.workers,
+           "run.max_restarts": a.kills + 1, "run.heartbeat_timeout_s": heartbeat_s,
+           "run.peer_timeout_s": 300, "run.log_every": 0.5, "sync.port": free_port(),
+           "ports.rollouts": free_port(), "ports.samples": free_port(),
+           "trainer.cpu_cores": "1", "verifier.cpu_cores": "1", "actor.cpu_cores": "0"}
+    args = [f"{k}={v}" for k, v in cfg.items()] + a.overrides
+    nnodes = 1 if a.actors == 1 else 1 + a.actors
+    env = {**os.environ, "NNODES": str(nnodes), "MASTER_ADDR": "127.0.0.1"}
+    logs = [out / f"node{k}.log" for k in range(nnodes)]
+    nodes = [subprocess.Popen(["bash", "run.sh", *args], cwd=REPO, stdout=open(logs[k], "w"),
+                              stderr=subprocess.STDOUT, env={**env, "NODE_RANK": str(k)},
+                              start_new_session=True) for k in range(nnodes)]
+    rng = random.Random(a.seed + 1)
+    report = []
+    try:
+        if not wait_steps_after(run_dir, 0, 10, 600, nodes):
+            raise SystemExit(f"chaos: the run did not reach step 10: see {logs[0]}")
+        for i, (kind, gap) in enumerate(kills):
+            steps = steps_times(run_dir)
+            if steps and steps[-1][1] > cfg["trainer.max_steps"] - 20:
+                print(f"chaos: kill {i + 1}: too close to the end, stopping the kills", flush=True)
+                break
+            if not wait_steps_after(run_dir, time.time(), gap, 600, nodes):
+                break
+            if kind == "checkpoint":  # right after the next checkpoint
+                ckpts = run_dir / "checkpoints"
+                seen = {p.name for p in ckpts.glob("step-*")}
+                deadline = time.time() + 300
+                while {p.name for p in ckpts.glob("step-*")} <= seen and time.time() < deadline:
+                    time.sleep(0.05)
+            t_kill = time.time()
+            if kind in ("actor", "verifier", "trainer", "checkpoint"):
+                what = [kill("trainer" if kind == "checkpoint" else kind, rng)]
+            elif kind == "two":
+                what = [kill("actor", rng), kill(rng.choice(["verifier", "trainer"]), rng)]
+            else:  # regroup: a second actor dies while the group re-forms without the first
+                what = [kill("actor", rng)]
+                time.sleep(heartbeat_s + rng.uniform(0.0, 2.0))
+                what.append(kill("actor", rng))
+            moved = wait_steps_after(run_dir, t_kill, 5, 900, nodes)
+            stall = stall_after(run_dir, t_kill)
+            bound, because = bound_for(kind, a.actors, heartbeat_s)
+            row = {"kill": i + 1, "kind": kind, "killed": what, "stall_s": round(stall, 1),
+                   "bound_s": bound, "bound": because, "moved_again": moved}
+            report.append(row)
+            print(f"chaos: kill {i + 1}/{len(kills)}: {kind}: {', '.join(what)}; training stood "
+                  f"still {stall:.1f} s (bound {bound:.0f} s: {because})", flush=True)
+            if not moved:
+                break
+        for node in nodes:
+            node.wait(timeout=3600)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    results = check_run.check(run_dir)
+    text = "".join(p.read_text() for p in logs)
+    restarts = {role: text.count(f"role '{role}' exited") for role in ("actor", "verifier", "trainer")}
+    killed = {role: sum(w.startswith(role) for row in report for w in row["killed"])
+              for role in ("actor", "verifier", "trainer")}
+    actor = read_jsonl(run_dir / "metrics_actor.jsonl")
+    trainer = read_jsonl(run_dir / "metrics_trainer.jsonl")
+    summary = {
+        "command": " ".join(sys.argv), "kills_planned": len(kills), "kills_done": len(report),
+        "survived": all(r["moved_again"] for r in report) and nodes[0].returncode == 0,
+        "node0_exit": nodes[0].returncode,
+        "violations": [f"{name}: {detail}" for name, ok, detail in results if not ok],
+        "invariants": {name: detail for name, ok, detail in results},
+        "over_bound": [r for r in report if not r["stall_s"] <= r["bound_s"]],
+        "longest_stall_by_kind": {k: max(r["stall_s"] for r in report if r["kind"] == k)
+                                  for k in {r["kind"] for r in report}},
+        "restarted_not_killed": {r: restarts[r] - killed[r] for r in restarts
+                                 if restarts[r] > killed[r]},
+        "returned_samples_max": max((r.get("actor/returned", 0) for r in actor), default=0),
+        "discarded_samples": max((r.get("trainer/discarded", 0) for r in trainer), default=0),
+        "kills": report}
+    (out / "chaos.json").write_text(json.dumps(summary, indent=1))
+    for name, ok, detail in results:
+        print(f"check_run: {name}: {'ok' if ok else 'VIOLATED'} ({detail})")
+    print(f"chaos: {len(report)} of {len(kills)} kills survived={summary['survived']}, "
+          f"{len(summary['violations'])} violations, {len(summary['over_bound'])} stalls over their "
+          f"bound, longest by kind {summary['longest_stall_by_kind']}, restarted without a kill "
+          f"{summary['restarted_not_killed'] or 'none'}; {out / 'chaos.json'}", flush=True)
+    ok = summary["survived"] and not summary["violations"] and not summary["over_bound"]
+    return 0 if ok and not summary["restarted_not_killed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

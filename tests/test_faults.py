@@ -1,0 +1,247 @@
+"""The fault layer (elastic.py) where a run cannot force the timing: a verifier completing groups out of
+order, a death between two store writes, a lost actor's group ids, two trainer ranks with different views,
+an id counter fenced at a cut. Real TCPStores, real ZMQ, real gloo; no engine.
+
+Run: bash run.sh test tests/test_faults.py      (~30 s)
+"""
+import asyncio
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import pytest
+import torch.distributed as dist
+import zmq
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import actor  # noqa: E402
+import common  # noqa: E402
+import elastic  # noqa: E402
+import trainer  # noqa: E402
+import verifier  # noqa: E402
+import weights_sync as ws  # noqa: E402
+from conftest import forkserver, free_port  # noqa: E402
+
+
+def new_store():
+    return ws.create_store("127.0.0.1", 0, True, 30)
+
+
+def actor_state(store, inc, cut, **kw):
+    """An actor incarnation's state, as the loop holds it once it is in a group of cut `cut`."""
+    return actor.ActorState(inc=inc, group=cut, cut=cut, **kw)
+
+
+# --- a group holds u_min until the verifier forwards it ------------------------------------------------
+
+def test_a_slow_group_holds_u_min_until_the_verifier_forwards_it(tmp_path):
+    """verifier.workers > 1: the verifier may complete a group admitted later (version 4) before one pushed
+    earlier (version 3). Until the verifier has forwarded the slow one, it stays the actor's oldest group in
+    flight (u_min = 3): with it dropped when its last sample was pushed (u_min = 4), the actor admitted a
+    batch more, all trained before the slow group, whose version-3 tokens then went past max_lag."""
+    store = new_store()
+    cfg = common.load_config([f"run.dir={tmp_path}", "trainer.batch_size=8", "actor.group_size=4",
+                              "actor.max_lag=0"])
+    store.set("budget/1", "3 0 0")
+    store.set("redo/1/taken", "0 trainer")
+    st = actor_state(store, 1, 1, version=4)
+    owner = SimpleNamespace(store=store, st=st)
+    # pushed, both: group 7 started at version 3, group 8 at version 4
+    st.groups = {7: actor.Group(version=3, left=0, engine=0), 8: actor.Group(version=4, left=0, engine=0)}
+    vs = verifier.State(cfg, store)
+    for gid in (8, 7):  # the verifier's workers finish group 8 first
+        key = (False, gid, 1, 1)
+        scored = {i: ({"group_id": gid, "sample_idx": i, "group_size": 4, "reward": float(i % 2), "inc": 1,
+                       "cut": 1}, {}) for i in range(4)}
+        vs.open[key] = {"size": 4, "t0": 0.0, "stream": (1, 1), "seen": set(range(4)), "scored": scored}
+        verifier.complete(vs, key)
+        actor.Actor.refresh_budget(owner)
+        if gid == 8:
+            assert set(st.groups) == {7} and actor.oldest(st) == 3
+    assert st.groups == {} and actor.oldest(st) == 4
+
+
+# --- group ids: fenced at a cut, listed again -------------------------------------------------------
+
+def test_group_ids_are_fenced_at_a_cut_and_the_untrained_ones_listed_again():
+    """A trainer killed after a checkpoint: the actors of the old cut go on taking ids until they hear of
+    the new group. The new trainer's fence stops them (compare-and-set: a take of a stale cut gets None),
+    and every id below the fence that was not trained is generated again first: none is skipped (before,
+    the list held the ids up to the checkpoint's last trained one only, and the ones taken after it were
+    never trained)."""
+    store = new_store()
+    elastic.fence(store, 1)
+    old = actor_state(store, 1, 1, redo=[])
+    store.set("redo/1/taken", "0 trainer")
+    taken = [elastic.take_group_id(store, old) for _ in range(6)]
+    assert taken == [0, 1, 2, 3, 4, 5]
+    state = SimpleNamespace(trained_below=0, trained={0, 1, 3})  # the checkpoint: 0, 1, 3 trained
+    books = elastic.Ledger(store, 1, state)
+    books.start_cut(2, elastic.fence(store, 2, floor=4))
+    assert elastic.take_group_id(store, old) is None  # the old cut's actor is fenced out
+    new = actor_state(store, 2, 2)
+    got = [elastic.take_group_id(store, new) for _ in range(4)]
+    assert got == [2, 4, 5, 6], got  # 2, 4, 5 again first, then new ids
+
+
+def test_a_lost_incarnations_ids_are_generated_again_each_once():
+    """An actor killed with groups in flight (not a cut): the books give its samples back and list the
+    ids it took that were not trained; two live actors take each of them once (compare-and-set on a list
+    that grows), and an id a lost actor had taken from that list is listed again."""
+    store = new_store()
+    elastic.fence(store, 1)
+    state = SimpleNamespace(trained_below=0, trained=set())
+    books = elastic.Ledger(store, 1, state)
+    books.start_cut(1, 0)
+    store.add("actor/incarnations", 3)
+    a, b, c = (actor_state(store, inc, 1) for inc in (1, 2, 3))
+    for st in (a, a, a, b):  # a takes 0, 1, 2; b takes 3; a started 12 samples
+        elastic.take_group_id(store, st)
+    store.add("budget/1/started/1", 12)
+    state.trained |= {1}
+    books.consumed = {1: 4}
+    books.publish(5, {1, 2, 3})
+    assert store.get("budget/1") == b"5 4 0"
+    books.publish(5, {2, 3})  # incarnation 1 lost: 8 samples back, ids 0 and 2 again
+    assert store.get("budget/1") == b"5 4 8" and store.get("redo/1") == b"0,2,"
+    assert elastic.take_group_id(store, b) == 0 and elastic.take_group_id(store, c) == 2
+    assert elastic.take_group_id(store, b) == 4  # the list is done: a new id
+    store.add("budget/1/started/3", 4)
+    books.publish(5, {2})  # incarnation 3 lost with id 2, which it had taken from the list
+    assert store.get("redo/1") == b"0,2,2,"
+    assert elastic.take_group_id(store, b) == 2
+    books.publish(5, {2})
+    assert store.get("redo/1") == b"0,2,2,"  # nothing listed twice for one loss
+
+
+def test_a_death_between_reserving_and_counting_its_own_loses_budget_never_exceeds_it():
+    """elastic.reserve counts the run's started samples first, then the incarnation's own: an actor that
+    dies between the two leaves the run's count above the sum of its incarnations' (at most a group less
+    admitted until the next cut), never below it (which would let the lost one's give-back exceed what it
+    started)."""
+    store = new_store()
+    st = actor_state(store, 1, 1)
+
+    def killed_after_counting(s):  # the check runs between the two writes
+        raise SystemExit("killed")
+    with pytest.raises(SystemExit):
+        elastic.reserve(store, st, 4, killed_after_counting)
+    assert int(store.add("budget/1/started", 0)) == 4 and int(store.add("budget/1/started/1", 0)) == 0
+
+
+# --- announcements and group keys whose writer died ------------------------------------------------------
+
+def test_an_announcement_whose_trainer_died_before_setting_it_is_skipped():
+    """weights_sync.announce counts `announced`, then sets announce/<n>: a trainer that dies between the two
+    leaves n without a key, and the actor's thread waiting on it (before: for 365 days, with its group still
+    set, so no timeout fired). The actor's watchdog sees a later number counted and n's key still missing a
+    second later: it fills n with "skip" (compare-and-set), which the thread passes over; a writer that finds
+    its number filled takes the next."""
+    store = new_store()
+    loop = asyncio.new_event_loop()
+    cfg = common.load_config([f"sync.port={store.port}"])
+    owner = SimpleNamespace(cfg=cfg, store=store, st=actor.ActorState(group=1), gap=None, gap_checked=0.0,
+                            announcements=actor.Announcements(cfg, 1, loop, asyncio.Event()))
+    store.add("announced", 1)  # n = 1 counted, its writer died
+    ws.announce(store, "group 7")  # the next trainer's announcement: n = 2
+    deadline = time.time() + 10
+    while not owner.announcements.pending and time.time() < deadline:
+        elastic.watchdog(owner)
+        loop.run_until_complete(asyncio.sleep(0.05))
+    assert owner.announcements.pending == ["group 7"] and store.get("announce/1") == b"skip"
+    store.add("announced", 1)  # n = 3 counted, about to be set: a watchdog fills it first
+    store.compare_set("announce/3", "", "skip")
+    ws.announce(store, "5")
+    assert store.get("announce/4") == b"5"
+
+
+def test_a_later_group_is_seen_when_the_one_before_has_no_key():
+    """The vLLM worker's watcher gives its group up once a later one is formed: group/count counted then
+    group/<g> set, so a trainer that died between the two leaves a number without a key; the next trainer's
+    group (a later number, with its key) counts."""
+    store = new_store()
+    store.add("group/count", 2)
+    store.set("group/1", "{}")  # group 2 counted, never set
+    assert not ws.later_group(store, 1)
+    store.add("group/count", 1)
+    store.set("group/3", "{}")
+    assert ws.later_group(store, 1)
+
+
+# --- two trainer ranks filter by rank 0's view -----------------------------------------------------------
+
+SHARE = 2
+
+
+def _sample(i, inc, cut):
+    header = {"group_id": 100 * cut + i // 2, "sample_idx": i % 2, "group_size": 2, "task": "arithmetic",
+              "answer": "3", "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "inc": inc, "cut": cut,
+              "eval": False, "reward": 1.0, "status": "correct", "advantage": 0.5, "seq": i}
+    arrays = {"prompt_ids": np.array([1, 2], np.int32), "completion_ids": np.array([3, 4], np.int32),
+              "logprobs": np.full(2, -1.0, np.float32), "versions": np.zeros(2, np.int32)}
+    return common.encode(header, arrays)
+
+
+def _rank(rank, world, port, tmp, store_port, samples_port):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    cfg = common.load_config([f"run.dir={tmp}", f"sync.port={store_port}", f"ports.samples={samples_port}",
+                              "actor.group_size=2", "trainer.nproc=2", f"trainer.batch_size={2 * SHARE}"])
+    store = ws.create_store("127.0.0.1", store_port, False, 60)
+    state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=torch.device("cpu")))
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.connect(common.zmq_addr("127.0.0.1", samples_port))
+    store.set(f"test/connected/{rank}", "1")
+    # rank 1's own (stale) view would take the old cut's backlog and the lost incarnation: it is not asked
+    view = (lambda: ({1}, 2)) if rank == 0 else (lambda: ({1, 9}, 1))
+    batch, _ = trainer.take_batch(sock, [], SHARE, SHARE, state, cfg, "addr", 64, view, lambda: None)
+    store.set(f"test/batch/{rank}", ",".join(f"{s['inc']}:{s['cut']}" for s in batch))
+    store.set(f"test/discarded/{rank}", str(state.discarded))
+    sock.close(linger=0)
+    dist.destroy_process_group()
+
+
+def test_every_trainer_rank_filters_its_batch_by_rank_0s_view(tmp_path):
+    """With trainer.nproc > 1, ranks other than 0 read the membership through a view cached for a second:
+    after a restart they saw the dead trainer's group and trained the verifier's backlog of the old cut
+    (negative lags, ids trained twice). Every rank now filters each batch by rank 0's view, all-gathered
+    when the batch is formed."""
+    store = new_store()
+    samples_port = free_port()
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.bind(common.zmq_addr("127.0.0.1", samples_port))
+    ctx = forkserver()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, str(tmp_path), store.port, samples_port))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + 60
+    while not store.check(["test/connected/0", "test/connected/1"]) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # both pipes up: ZeroMQ deals to both
+    # an old cut's backlog and a lost incarnation's samples first, then the current cut's
+    frames = [_sample(i, 1, 1) for i in range(4)] + [_sample(i, 9, 2) for i in range(4)]
+    frames += [_sample(i, 1, 2) for i in range(8)]
+    for f in frames:
+        while time.time() < deadline:
+            try:
+                push.send_multipart(f, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=60)
+    push.close()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for r in range(2):
+        batch = store.get(f"test/batch/{r}").decode().split(",")
+        assert batch == ["1:2"] * SHARE, (r, batch)
+        assert int(store.get(f"test/discarded/{r}")) == 4
