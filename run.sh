@@ -161,7 +161,7 @@ fi
 # --- watch: the run ends when the trainer ends (or, on an actor-only node, when the actor ends) ------
 # A role that dies is started again, run.max_restarts times per role (the trainer from its latest
 # complete checkpoint, run.resume=true): the others go on meanwhile (the weight group takes the
-# actor back, docs/DESIGN.md "Elastic roles"). The store is not restarted: it holds the run.
+# actor back, docs/DESIGN.md "The fault layer"). The store is not restarted: it holds the run.
 MAIN=trainer; [[ -z "${PIDS[trainer]:-}" ]] && MAIN=actor
 declare -A RESTARTS=()
 while true; do

@@ -363,9 +363,6 @@ class FSDP:
             # no graph: all_gather reads shard.detach()
             yield dict(zip(u.names, u.views(self.all_gather(u.shard, dtype))))
 
-    def manifest(self, dtype):
-        return [(n, tuple(s), dtype) for u in self.units for n, s in zip(u.names, u.shapes)]
-
     def state_dict(self):
         units = [{"shard": u.shard.detach().cpu(), "exp_avg": u.exp_avg.cpu(),
                   "exp_avg_sq": u.exp_avg_sq.cpu()} for u in self.units]
@@ -395,7 +392,7 @@ class TrainState:
     # rank 0, kept by checkpoints: every group id below trained_below was trained on (any rank),
     # and the ids above it that were
     trained_below: int = 0
-    trained: set = field(default_factory=set)
+    trained_ids: set = field(default_factory=set)
     # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
     skipped: int = 0
     epoch: int = 0  # this trainer's start (store counter trainer/epoch): its timeline of steps
@@ -434,7 +431,7 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
         state.epoch = meta.get("epoch", 0)
         # older checkpoints: none
         state.trained_below = meta.get("trained_below", state.max_group_id + 1)
-        state.trained = set(meta.get("trained_above", []))
+        state.trained_ids = set(meta.get("trained_above", []))
     return state
 
 def pack_micro_batches(samples, micro_batch_tokens):
@@ -501,8 +498,8 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     t0 = time.time()
     tc, actor, device = cfg.trainer, cfg.actor, state.fsdp.device
     version = state.step  # the policy being trained; this step produces version + 1
-    trained = [s for s in samples if float(s["advantage"]) != 0.0]
-    batches = pack_micro_batches(trained, tc.micro_batch_tokens)
+    with_gradient = [s for s in samples if float(s["advantage"]) != 0.0]
+    batches = pack_micro_batches(with_gradient, tc.micro_batch_tokens)
     # Sync: every micro-batch is a fixed sequence of collectives, so all ranks run as many as the
     # busiest one (at least one: every shard gets a gradient), the others adding zero-weight ones
     # (mask all false: zero gradient).
@@ -538,7 +535,7 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     # [N_tok] each
     lags, pos = (np.concatenate(rows + [np.zeros(0, np.int64)]) for rows in (lag_rows, pos_rows))
     # this rank's sums over all its samples (trained or not), computed on the host
-    host = dict(sequences=len(samples), trained_sequences=len(trained),
+    host = dict(sequences=len(samples), trained_sequences=len(with_gradient),
                 reward_sum=sum(float(s["reward"]) for s in samples), malformed=state.malformed,
                 discarded=state.discarded,
                 all_tokens=sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
@@ -656,8 +653,8 @@ def latest_checkpoint(root):
 
 def prune_trained(state):
     """Move trained_below past the ids trained on, keeping `trained` to the ids above it."""
-    while state.trained_below in state.trained:
-        state.trained.discard(state.trained_below)
+    while state.trained_below in state.trained_ids:
+        state.trained_ids.discard(state.trained_below)
         state.trained_below += 1
 
 def save_checkpoint(state, cfg, tokenizer=None) -> Path:
@@ -694,7 +691,7 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
             tokenizer.save_pretrained(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(
             {"step": state.step, "version": state.step, "max_group_id": state.max_group_id,
-             "trained_below": state.trained_below, "trained_above": sorted(state.trained),
+             "trained_below": state.trained_below, "trained_above": sorted(state.trained_ids),
              "samples": state.samples, "skipped": state.skipped, "world_size": world(),
              "epoch": state.epoch,
              "time": time.time()}))
@@ -796,7 +793,7 @@ def settle(state, samples, books):
         for inc, seq, gid in zip(f[0::3], f[1::3], f[2::3]):
             pairs.append((r, inc, seq))
             if gid >= state.trained_below:
-                state.trained.add(gid)
+                state.trained_ids.add(gid)
     books.settle(pairs)
 
 def waiting_for(members, cfg) -> str:
@@ -811,14 +808,15 @@ def waiting_for(members, cfg) -> str:
                "died there")
     return f"{who}; is verifier.py running? (logs/verifier.log, logs/actor.log)"
 
-def write_samples(cfg, state, samples, epoch: int):
+def write_samples(cfg, state, samples):
     """This rank's samples of the step, for scripts/check_run.py and the figures: per sample its
     group, index and incarnation, its tokens' versions run-length encoded ([[version, tokens]])."""
     rle = [[[v, len(list(g))] for v, g in groupby(s["versions"].tolist())] for s in samples]
     name = "samples_trainer.jsonl" if is_main() else f"samples_trainer.rank{rank()}.jsonl"
     cut = int(samples[0]["cut"]) if samples else None
     with open(cfg.run_dir / name, "a") as f:
-        f.write(json.dumps({"step": state.step, "trainer_version": state.step - 1, "epoch": epoch,
+        f.write(json.dumps({"step": state.step, "trainer_version": state.step - 1,
+                            "epoch": state.epoch,
                             "cut": cut, "rank": rank(),
                             "group_ids": [int(s["group_id"]) for s in samples],
                             "sample_idx": [int(s["sample_idx"]) for s in samples],
@@ -860,18 +858,17 @@ def main():
 
     # --- weight group (trainer rank 0 + every live actor's workers): this version first ---
     server, group, books = None, None, None
-    epoch = int(store.add("trainer/epoch", 1)) if is_main() else 0
-    if is_main() and epoch <= state.epoch:  # a whole run resumed: a new store counts from 1 again
-        epoch = int(store.add("trainer/epoch", state.epoch + 1 - epoch))
-    state.epoch = epoch
     if is_main():
+        state.epoch = elastic.new_epoch(store, state.epoch)
         # each cut fences the run's group ids; the ones below it never trained are generated again
         # first (elastic.Ledger.start_cut): in flight at the checkpoint, or given up at the cut
         floor = state.max_group_id + 1
-        group = elastic.Membership(cfg, epoch, on_cut=lambda s, g: elastic.fence(s, g, floor))
+        group = elastic.Membership(cfg, state.epoch,
+                                   on_cut=lambda s, g: elastic.fence(s, g, floor))
         server = weights_sync.WeightServer(cfg, state.step, device, group)
         books = elastic.Ledger(store, world(), state)
-    epoch = all_gather_ints([epoch] if is_main() else [], device)[0][0] if world() > 1 else epoch
+    if world() > 1:  # sync: rank 0's epoch to every rank (their samples records carry it)
+        state.epoch = all_gather_ints([state.epoch] if is_main() else [], device)[0][0]
     send_weights(state, server, store, cfg, wait=True)
 
     def keep_books(force=False):
@@ -924,7 +921,7 @@ def main():
         t_prev = now
         if is_main():
             common.log("trainer", metrics, state.step)  # every step: the figures read each one
-        write_samples(cfg, state, samples, epoch)
+        write_samples(cfg, state, samples)
         if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
             save_checkpoint(state, cfg, tokenizer)
 

@@ -1,4 +1,4 @@
-"""What the elastic weight group costs (docs/DESIGN.md, "Elastic roles"), with 1, 2 and 4 actors: plain gloo
+"""What the elastic weight group costs (docs/DESIGN.md, "The fault layer"), with 1, 2 and 4 actors: plain gloo
 processes on this machine stand for the actors' workers (no vLLM), the embedded model's 4.2 MB of weights (or
 --mb) are the update.
 

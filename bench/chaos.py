@@ -79,6 +79,9 @@ def role_processes(role: str) -> list:
     return found
 
 
+KILLED_GROUPS = set()  # process groups of the killed roles (run.sh starts each role in its own)
+
+
 def kill(role: str, rng) -> str:
     """SIGKILL one process of `role` drawn by rng -> what was killed."""
     procs = sorted(role_processes(role), key=lambda p: p.pid)
@@ -88,11 +91,25 @@ def kill(role: str, rng) -> str:
     try:
         rank = p.environ().get("RANK", "") if role == "trainer" else ""
         node = p.environ().get("NODE_RANK", "") if role == "actor" else ""
+        KILLED_GROUPS.add(os.getpgid(p.pid))
         p.kill()
-    except psutil.NoSuchProcess:
+    except (psutil.NoSuchProcess, ProcessLookupError):
         return f"{role}: gone before the kill"
     where = f" rank {rank}" if rank else f" node {node}" if node else ""
     return f"{role}{where} (pid {p.pid})"
+
+
+def left_behind() -> list:
+    """Processes still alive in a killed role's process group (a SIGKILLed actor's vLLM engine core
+    lived on, holding its memory, until run.sh killed the group)."""
+    left = []
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if os.getpgid(p.pid) in KILLED_GROUPS:
+                left.append(f"{p.info['name']} (pid {p.pid})")
+        except ProcessLookupError:
+            pass
+    return left
 
 
 def steps_times(run_dir: Path) -> list:
@@ -210,6 +227,7 @@ def main(argv=None):
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
     results = check_run.check(run_dir)
+    left = left_behind()
     text = "".join(p.read_text() for p in logs)
     restarts = {role: text.count(f"role '{role}' exited") for role in ("actor", "verifier", "trainer")}
     killed = {role: sum(w.startswith(role) for row in report for w in row["killed"])
@@ -227,6 +245,7 @@ def main(argv=None):
                                   for k in {r["kind"] for r in report}},
         "restarted_not_killed": {r: restarts[r] - killed[r] for r in restarts
                                  if restarts[r] > killed[r]},
+        "left_behind": left,
         "returned_samples_max": max((r.get("actor/returned", 0) for r in actor), default=0),
         "discarded_samples": max((r.get("trainer/discarded", 0) for r in trainer), default=0),
         "kills": report}
@@ -236,9 +255,10 @@ def main(argv=None):
     print(f"chaos: {len(report)} of {len(kills)} kills survived={summary['survived']}, "
           f"{len(summary['violations'])} violations, {len(summary['over_bound'])} stalls over their "
           f"bound, longest by kind {summary['longest_stall_by_kind']}, restarted without a kill "
-          f"{summary['restarted_not_killed'] or 'none'}; {out / 'chaos.json'}", flush=True)
+          f"{summary['restarted_not_killed'] or 'none'}, left behind {left or 'nothing'}; "
+          f"{out / 'chaos.json'}", flush=True)
     ok = summary["survived"] and not summary["violations"] and not summary["over_bound"]
-    return 0 if ok and not summary["restarted_not_killed"] else 1
+    return 0 if ok and not summary["restarted_not_killed"] and not left else 1
 
 
 if __name__ == "__main__":

@@ -369,7 +369,8 @@ def big(tmp):
     params = inspect.signature(trainer.send_weights).parameters
     if "store" in params:  # the elastic WeightServer: no actor, so send_weights gathers and copies
         cfg = make_cfg(tmp, world=1, **{"sync.async_send": "false", "sync.port": str(store.port)})
-        server = weights_sync.WeightServer(cfg, epoch=1, version=0, device=dev())
+        server = weights_sync.WeightServer(cfg, version=0, device=dev(),
+                                           group=elastic.Membership(cfg, epoch=1))
         send = lambda v: trainer.send_weights(state, server, store, cfg, wait=True)  # noqa: E731
     else:  # older trees: a 1-rank group of its own
         pg = weights_sync.init_group(store, 0, 1, "gloo" if SMOKE else "nccl", timeout_s=60)

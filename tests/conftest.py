@@ -161,3 +161,9 @@ def tiny_model_dir(tmp_path_factory):
     torch.set_num_threads(1)
     from scripts.make_tiny_model import random_model_dir
     return random_model_dir(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+def fsdp_manifest(fsdp):
+    """[(name, shape, dtype)] of a trainer.FSDP's tensors in the order full_units yields them: the
+    manifest a WeightSender checks a broadcast against."""
+    return [(n, tuple(s), fsdp.dtype) for u in fsdp.units for n, s in zip(u.names, u.shapes)]

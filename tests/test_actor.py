@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, free_port, read_jsonl, recv
+from conftest import REPO, free_port, fsdp_manifest, read_jsonl, recv
 
 import actor
 import common
@@ -194,7 +194,7 @@ def env(tmp_path_factory, insecure_serialization):
     trainer = FakeTrainer(store)
     inc = int(store.add("actor/incarnations", 1))
     trainer.regroup({inc: 1}, join=lambda g: loop.run_until_complete(
-        actor.join_group(cfg, [engine], g, 1, 2)))
+        actor.join_weight_group(cfg, [engine], g, 1, 2)))
     sd = state_dict(model_dir)
     ids = {c: tok.convert_tokens_to_ids(c) for c in "ab"}
     yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd, firsts=firsts,
@@ -625,7 +625,7 @@ def test_skipped_steps_do_not_stall_admission(env):
 
 def test_resume_generates_untrained_groups_first(env):
     """A trainer that resumed lists the groups below its checkpoint's last that were never trained on (in
-    flight at the checkpoint: the slow, long ones; store key redo/<epoch>); the actor starts each of them
+    flight at the checkpoint: the slow, long ones; store key redo/<cut>); the actor starts each of them
     once, before new ids from the run's counter (groups/next)."""
     B = 8
     cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8")
@@ -856,7 +856,7 @@ def _restore_env_group(env):
     """The env engine back in a group of the FakeTrainer's (after a test that moved it elsewhere)."""
     inc = int(env["store"].add("actor/incarnations", 1))
     env["trainer"].regroup({inc: 1}, join=lambda g: env["loop"].run_until_complete(
-        actor.join_group(env["cfg"], [env["engine"]], g, 1, 2)))
+        actor.join_weight_group(env["cfg"], [env["engine"]], g, 1, 2)))
 
 
 def test_weight_server_newest_only_bit_identical(env):
@@ -898,7 +898,7 @@ def test_weight_server_newest_only_bit_identical(env):
         server.close("end")  # after the last broadcast
         done.set()
 
-    entries, _ = ws.bucket_layout(state.fsdp.manifest(state.fsdp.dtype), server.sender.bucket_bytes)
+    entries, _ = ws.bucket_layout(fsdp_manifest(state.fsdp), server.sender.bucket_bytes)
 
     def received_digests(worker):  # name -> sha256 of the bytes the last update delivered (CPU receive buffers)
         return {e["name"]: hashlib.sha256(worker._ws_buffers[e["bucket"]][e["offset"]:e["offset"] + e["nbytes"]]
@@ -914,7 +914,7 @@ def test_weight_server_newest_only_bit_identical(env):
                 g = int(value.split()[1])
                 info = json.loads(store.get(f"group/{g}"))
                 if str(inc) in info["members"]:
-                    await actor.join_group(cfg, [env["engine"]], g, info["members"][str(inc)], 2)
+                    await actor.join_weight_group(cfg, [env["engine"]], g, info["members"][str(inc)], 2)
                 continue
             if value == "end":
                 return got
@@ -990,7 +990,7 @@ def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
     books.cut = cut
     actors = {}
     for inc in (1, 2):
-        st = actor.ActorState(version=3, inc=inc, group=1, cut=cut, cut_version=3, others=[3 - inc])
+        st = actor.ActorState(version=3, inc=inc, weight_group=1, cut=cut, cut_version=3, others=[3 - inc])
         actors[inc] = SimpleNamespace(store=ws.create_store("127.0.0.1", store.port, False, 30), cfg=cfg,
                                       st=st, published=None)
         store.set(f"oldest/{inc}", f"{cut} 3")

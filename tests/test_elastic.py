@@ -1,4 +1,4 @@
-"""Elastic roles (docs/DESIGN.md, "Elastic roles") with real processes: three run.sh nodes on this machine
+"""Elastic roles (docs/DESIGN.md, "The fault layer") with real processes: three run.sh nodes on this machine
 (NNODES=3 on loopback: node 0 runs the store, the verifier and the trainer; nodes 1 and 2 an actor each, with
 the embedded model's architecture at random weights). At step 20 node 2 is stopped (its run.sh and every
 process of it killed: its actor's death, as its host's); 20 steps after its loss it is started again with the

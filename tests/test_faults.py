@@ -34,7 +34,7 @@ def new_store():
 
 def actor_state(store, inc, cut, **kw):
     """An actor incarnation's state, as the loop holds it once it is in a group of cut `cut`."""
-    return actor.ActorState(inc=inc, group=cut, cut=cut, **kw)
+    return actor.ActorState(inc=inc, weight_group=cut, cut=cut, **kw)
 
 
 # --- a group holds u_min until the verifier forwards it ------------------------------------------------
@@ -80,7 +80,7 @@ def test_group_ids_are_fenced_at_a_cut_and_the_untrained_ones_listed_again():
     store.set("redo/1/taken", "0 trainer")
     taken = [elastic.take_group_id(store, old) for _ in range(6)]
     assert taken == [0, 1, 2, 3, 4, 5]
-    state = SimpleNamespace(trained_below=0, trained={0, 1, 3})  # the checkpoint: 0, 1, 3 trained
+    state = SimpleNamespace(trained_below=0, trained_ids={0, 1, 3})  # the checkpoint: 0, 1, 3 trained
     books = elastic.Ledger(store, 1, state)
     books.start_cut(2, elastic.fence(store, 2, floor=4))
     assert elastic.take_group_id(store, old) is None  # the old cut's actor is fenced out
@@ -95,7 +95,7 @@ def test_a_lost_incarnations_ids_are_generated_again_each_once():
     that grows), and an id a lost actor had taken from that list is listed again."""
     store = new_store()
     elastic.fence(store, 1)
-    state = SimpleNamespace(trained_below=0, trained=set())
+    state = SimpleNamespace(trained_below=0, trained_ids=set())
     books = elastic.Ledger(store, 1, state)
     books.start_cut(1, 0)
     store.add("actor/incarnations", 3)
@@ -103,7 +103,7 @@ def test_a_lost_incarnations_ids_are_generated_again_each_once():
     for st in (a, a, a, b):  # a takes 0, 1, 2; b takes 3; a started 12 samples
         elastic.take_group_id(store, st)
     store.add("budget/1/started/1", 12)
-    state.trained |= {1}
+    state.trained_ids |= {1}
     books.consumed = {1: 4}
     books.publish(5, {1, 2, 3})
     assert store.get("budget/1") == b"5 4 0"
@@ -145,7 +145,7 @@ def test_an_announcement_whose_trainer_died_before_setting_it_is_skipped():
     store = new_store()
     loop = asyncio.new_event_loop()
     cfg = common.load_config([f"sync.port={store.port}"])
-    owner = SimpleNamespace(cfg=cfg, store=store, st=actor.ActorState(group=1), gap=None, gap_checked=0.0,
+    owner = SimpleNamespace(cfg=cfg, store=store, st=actor.ActorState(weight_group=1), gap=None, gap_checked=0.0,
                             announcements=actor.Announcements(cfg, 1, loop, asyncio.Event()))
     store.add("announced", 1)  # n = 1 counted, its writer died
     ws.announce(store, "group 7")  # the next trainer's announcement: n = 2

@@ -303,6 +303,51 @@ def test_reading_guide_names_exist():
             scope = found[0].body
 
 
+# The store's keys of the fault layer (elastic.py's docstring lists them) and the calls through which the
+# algorithm reaches it: a function docs/READING.md cites names neither the keys nor anything else of elastic.py.
+FAULT_KEYS = ("actor/incarnations", "alive/", "groups/next", "redo/", "ids/", "budget/", "dropped/",
+              "forwarded/", "oldest/", "verifier/incarnations", "trainer/epoch", "group/")
+NAMED_CALLS = {"register", "watchdog", "regroup", "reserve", "take_group_id", "read_budget", "publish_oldest",
+               "forwarded_groups", "forwarded", "drop", "register_verifier", "Membership", "Ledger", "fence",
+               "new_epoch", "store_lost"}
+
+
+def reading_functions():
+    """[(file.py:name, its ast node)] of every function or class docs/READING.md cites."""
+    import ast
+    import re
+    text = (REPO / "docs" / "READING.md").read_text()
+    out = []
+    for path, name in sorted({r for r in re.findall(r"`(\w+\.py):([\w.]+)`", text) if r[0] != "file.py"}):
+        scope = ast.parse((REPO / path).read_text()).body
+        for part in name.split("."):
+            node = next(n for n in scope if getattr(n, "name", None) == part)
+            scope = node.body
+        out.append((f"{path}:{name}", node))
+    return out
+
+
+def test_the_reading_path_reaches_the_fault_layer_only_through_its_named_calls():
+    """A newcomer following docs/READING.md beside the paper meets the paper's steps, not the fault layer.
+    Each function it cites holds no store key of the fault layer and reaches elastic.py only by calling one of
+    its few named entry points (`elastic.regroup(...)`, `elastic.reserve(...)`, ...), never its internals.
+    Fails, e.g., on actor.Actor.run calling the store for incarnations, or a function reading elastic.Ledger's
+    books."""
+    import ast
+    bad = []
+    for ref, node in reading_functions():
+        body = node.body[1:] if ast.get_docstring(node) else node.body  # the docstring may explain
+        for stmt in body:
+            for sub in ast.walk(stmt):
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    bad += [f"{ref}: store key {k!r}" for k in FAULT_KEYS if k in sub.value]
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                        and sub.value.id == "elastic" and sub.attr not in NAMED_CALLS):
+                    bad.append(f"{ref}: elastic.{sub.attr}")
+    assert not bad, bad
+    assert len(reading_functions()) >= 12
+
+
 def test_compute_dtype_is_one_rule_for_trainer_and_engine():
     """model.dtype=auto: bfloat16 on GPU, float32 on CPU (config.yaml); an explicit dtype wins on both."""
     cfg = common.load_config([])

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import free_port, fsdp_manifest
 
 import actor
 import common
@@ -116,7 +116,7 @@ def test_trainer_step_reaches_vllm(tmp_path, family, tied, redundant_head):
         th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 60, "weights/1")))
         th.start()
         run(loop, actor.init_sync(cfg, [engine]))
-        run(loop, actor.join_group(cfg, [engine], 1, 1, 2))
+        run(loop, actor.join_weight_group(cfg, [engine], 1, 1, 2))
         th.join()
 
         # --- one real optimizer step, as trainer.py takes it (1 rank, no process group) ---
@@ -132,7 +132,7 @@ def test_trainer_step_reaches_vllm(tmp_path, family, tied, redundant_head):
         # --- the new weights into the running engine: the actor's in-flight update path ---
         sender = ws.WeightSender(store, box["pg"], cfg.sync.bucket_mb)
         named = ((n, t) for u in state.fsdp.full_units(state.fsdp.dtype) for n, t in u.items())
-        th = threading.Thread(target=sender.send, args=(state.step, named, state.fsdp.manifest(state.fsdp.dtype)))
+        th = threading.Thread(target=sender.send, args=(state.step, named, fsdp_manifest(state.fsdp)))
         th.start()
         stats, _ = run(loop, actor.update_weights([engine], state.step, False, 60))
         th.join()

@@ -635,16 +635,16 @@ def test_ids_to_do_again_at_a_cut():
     import weights_sync as ws
     from types import SimpleNamespace
     store = ws.create_store("127.0.0.1", 0, True, 30)
-    state = SimpleNamespace(trained_below=0, trained={0, 1, 3, 5, 6}, max_group_id=6)
+    state = SimpleNamespace(trained_below=0, trained_ids={0, 1, 3, 5, 6}, max_group_id=6)
     trainer.prune_trained(state)
-    assert state.trained_below == 2 and state.trained == {3, 5, 6}
+    assert state.trained_below == 2 and state.trained_ids == {3, 5, 6}
     elastic.drop(store, 1, 1, 7, 4)  # the verifier dropped group 7
     books = elastic.Ledger(store, 1, state)
     books.start_cut(2, elastic.fence(store, 2, floor=9))
     assert store.get("redo/2") == b"2,4,8," and store.get("groups/next").split()[:2] == [b"2", b"9"]
-    state.trained |= {2, 4}
+    state.trained_ids |= {2, 4}
     trainer.prune_trained(state)
-    assert state.trained_below == 7 and state.trained == set()
+    assert state.trained_below == 7 and state.trained_ids == set()
 
 
 def _dying_actor(sync_port):
