@@ -275,7 +275,7 @@ class WireError(ValueError):
 
 _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float64": np.float64}
 # inc: the actor incarnation that made it; cut: the weight group of the latest cut when its group
-# started (weights_sync.WeightServer)
+# started (elastic.Membership)
 _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, "answer": str,
             "finish_reason": str, "t_start": float, "t_end": float, "inc": int, "cut": int,
             "eval": bool}
@@ -439,12 +439,12 @@ def log(role: str, metrics: dict, step: int):
     print(f"[{role}] step {step} {summary}", flush=True)
 
 def freeze_heap():
-    """Once a role's start-up is done: what it built (the imports of torch, vLLM, transformers:
-    ~350k objects in the trainer and the verifier, ~620k in the actor) lives until exit, and Python's
-    full collections walked all of it every few seconds, freeing nothing, with the role frozen
-    meanwhile: 0.3-1 s each in the actor of a default run, whose engine then waited for new requests
-    and its weight updates waited up to 0.4 s (p99 of the pause's reply; 21 ms after). gc.freeze()
-    takes it out of the collector's reach (vLLM's engine core does the same with its own heap)."""
+    """Once a role's start-up is done: what it built (the imports of torch, vLLM, transformers)
+    lives until exit, and Python's full collections would walk all of it every few seconds, freeing
+    nothing, with the role frozen meanwhile: the actor's engine would wait for new requests and its
+    weight updates for the pause's reply (docs/DESIGN.md, "The start-up heap and the collector").
+    gc.freeze() takes it out of the collector's reach (vLLM's engine core does the same with its
+    own heap)."""
     gc.collect()
     gc.freeze()
 

