@@ -7,10 +7,11 @@ Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage, seq), Z
 Produces  (1) the weights after every optimizer step (every actor.G_steps, conventional) to the
           weight group of the live actors (weights_sync.WeightServer), version = optimizer steps
           taken; (2) <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer,
-          optim-rank{r}.pt, trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and
-          samples_trainer.jsonl (rank 0's sequences per step: group ids, incarnations, per-token
-          versions run-length coded [v, n]); (4) once a step, the samples trained and given
-          back, the actors' admission budget (elastic.Ledger: budget/<cut>).
+          optim-rank{r}.pt, trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and, per
+          rank, samples_trainer[.rank{r}].jsonl (each step's sequences: group ids, sample
+          indices, incarnations, per-token versions run-length coded [v, n]; read by
+          scripts/check_run.py); (4) the actors' admission budget, the samples trained and
+          given back (rank 0's elastic.Ledger).
 Run alone (the run's store at sync.host:sync.port, `python weights_sync.py`; a verifier pushes
 samples, the actors' vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
@@ -29,8 +30,7 @@ Deliberate simplifications vs. the paper and its released code (DeepSpeed ZeRO-3
  4. Every rank loads the whole HF model into CPU memory once before sharding (no meta-device init).
  5. Checkpoints assume a filesystem shared by all ranks; resuming on another number of ranks re-cuts
     the optimizer shards and restarts the RNG streams.
- 6. samples_trainer.jsonl holds rank 0's share of each step only (1/W of the sequences).
- 7. The asynchronous weight send (sync.async_send) keeps one full copy of the weights on rank 0.
+ 6. The asynchronous weight send (sync.async_send) keeps one full copy of the weights on rank 0.
 """
 import contextlib
 import functools
@@ -400,7 +400,8 @@ class TrainState:
     malformed: int = 0  # malformed messages this rank dropped
     # samples of a lost actor incarnation, or of a group started before the cut (take_batch)
     discarded: int = 0
-    alone_since: float = None  # when this rank saw the weight group without actors (pull_samples)
+    alone_since: float = None  # when this rank saw the weight group without actors (take_batch)
+    last_sample: float = 0.0  # when this rank last received a sample (pull_samples)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
     # this rank's timeline (main sets it; run.trace): a disabled one records nothing
     events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
@@ -711,33 +712,18 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
 
 # --- samples --------------------------------------------------------------------------------------
 
-def pull_samples(sock, n, pending, state, cfg, addr, vocab_size, members, on_wait):
-    """Block until this rank holds n samples in `pending` (appended to). -> seconds waited.
-    `members()`: the actor incarnations of the weight group, for messages (rank 0; others: None).
-    `on_wait()`: called about every 0.2 s while waiting (rank 0 keeps its books: drops and lost
-    actors reach the actors' budget without a step). A malformed sample (bad schema, non-finite
-    numbers, ids outside the vocabulary) is dropped and counted; no rank trains on its seq, so
-    elastic.Ledger.settle finds it lost and gives it back."""
-    waited, last = 0.0, time.time()  # waited: seconds in sock.poll; last: the last arrival
+def pull_samples(sock, n, pending, state, vocab_size, seconds: float) -> float:
+    """Pull into `pending` until this rank holds n samples, or `seconds` have passed without it.
+    -> seconds waited. A malformed sample (bad schema, non-finite numbers, ids outside the
+    vocabulary) is dropped and counted; no rank trains on its seq, so elastic.Ledger.settle finds
+    it lost and gives it back."""
+    waited, end = 0.0, time.time() + seconds
     while len(pending) < n:
         t0 = time.time()
-        ready = sock.poll(200)
+        if t0 >= end or not sock.poll(max(1, int(1000 * (end - t0)))):
+            return waited + time.time() - t0
         waited += time.time() - t0
-        on_wait()
-        who = members()
-        if who is not None and not who and time.time() - last > 5 and not state.alone_since:
-            state.alone_since = time.time()
-            print(f"[trainer] no actor in the weight group: waiting up to {cfg.run.peer_timeout_s:.0f}"
-                  " s (run.peer_timeout_s) for one to join (actor.py, or run.sh on its node)",
-                  flush=True)
-        if not ready:
-            if time.time() - last > cfg.run.peer_timeout_s:
-                sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
-                         f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(pending)} of "
-                         f"{n} here; {waiting_for(who, cfg)}")
-            continue
-        last = time.time()
-        state.alone_since = None
+        state.last_sample = time.time()
         frames = sock.recv_multipart()
         try:
             header, arrays = common.decode(frames, "sample")
@@ -752,17 +738,19 @@ def pull_samples(sock, n, pending, state, cfg, addr, vocab_size, members, on_wai
     return waited
 
 def take_batch(sock, pending, want, share, state, cfg, addr, vocab_size, view, on_wait):
-    """This rank's `share` samples of the next optimizer step, all ranks together: pull until
-    `want` are here, then keep only the samples of the weight group's members and of its cut,
-    by one view for all ranks (rank 0's: `view()` -> (members, cut)); pull again while any rank
-    is short. Filtering at this point, not on arrival, is what makes the books exact: whole groups
-    go (a view does not change within a batch), and no sample of an incarnation the books gave
-    back as lost is trained after (rank 0 published with this view or an older one).
+    """This rank's `share` samples of the next optimizer step, all ranks together: each pulls for
+    up to 0.2 s at a time, until `want` are here on every rank; between pulls rank 0 keeps its
+    books (`on_wait`: drops and lost actors reach the actors' budget without a step, which a
+    rank still short may be waiting for) and every rank keeps only the samples of the weight
+    group's members and of its cut, by one view for all ranks (rank 0's: `view()` -> (members,
+    cut)). Filtering at this point, not on arrival, is what makes the books exact: whole groups go
+    (a view does not change within a batch), and no sample of an incarnation the books gave back
+    as lost is trained after (rank 0 published with this view or an older one).
     -> (samples, seconds waited)."""
-    device, waited = state.fsdp.device, 0.0
-    members = (lambda: view()[0]) if is_main() else (lambda: None)
+    device, waited, since = state.fsdp.device, 0.0, time.time()
     while True:
-        waited += pull_samples(sock, want, pending, state, cfg, addr, vocab_size, members, on_wait)
+        waited += pull_samples(sock, want, pending, state, vocab_size, 0.2)
+        on_wait()
         # sync: rank 0's view to every rank (cut + 1: 0 for none yet)
         mine = []
         if is_main():
@@ -774,11 +762,21 @@ def take_batch(sock, pending, want, share, state, cfg, addr, vocab_size, view, o
         state.discarded += len(pending) - len(kept)
         pending[:] = kept
         # sync: every rank has its share, or every rank pulls again
-        if all_max([share - len(pending)], device)[0] <= 0:
+        if all_max([want - len(pending)], device)[0] <= 0:
             batch = pending[:share]
             del pending[:share]
             return batch, waited
-        want = share
+        last = max(state.last_sample, since)
+        state.alone_since = None if who else state.alone_since
+        if is_main() and not who and time.time() - last > 5 and not state.alone_since:
+            state.alone_since = time.time()
+            print(f"[trainer] no actor in the weight group: waiting up to {cfg.run.peer_timeout_s:.0f}"
+                  " s (run.peer_timeout_s) for one to join (actor.py, or run.sh on its node)",
+                  flush=True)
+        if time.time() - last > cfg.run.peer_timeout_s:
+            sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
+                     f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(pending)} of "
+                     f"{want} here; {waiting_for(who if is_main() else None, cfg)}")
 
 def settle(state, samples, books):
     """All ranks, once a step: every rank's (incarnation, seq, group id) of the step's samples to

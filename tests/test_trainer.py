@@ -707,10 +707,11 @@ def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
-    state = trainer.TrainState(model=None, fsdp=None)
+    from types import SimpleNamespace
+    state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=CPU))
     with pytest.raises(SystemExit) as e:
-        trainer.pull_samples(sock, 1, [], state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64,
-                             lambda: set(), lambda: None)
+        trainer.take_batch(sock, [], 1, 1, state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64,
+                           lambda: ({1}, 1), lambda: None)
     sock.close()
     msg = str(e.value.code)
     assert addr in msg and "run.peer_timeout_s" in msg and "is verifier.py running" in msg
