@@ -32,7 +32,10 @@ writes that keeps each.
   forwarded/<cut>/<id>         the verifier has forwarded or dropped   verifier (`forwarded`)
                                the group: it may leave u_min
   oldest/<inc>                 "cut version": the oldest start         actor <inc>; the trainer for a
-                               version it has in flight                new member (WeightServer)
+                               version it has in flight                new member (`Membership`)
+  group/count, group/<g>       the weight groups formed: members,      trainer rank 0 (`Membership`)
+                               cut, epoch, version, incarnations lost
+  trainer/epoch                counter: trainer starts                 trainer rank 0 (`new_epoch`)
   verifier/incarnations        counter                                 verifier (`register_verifier`)
 
 The budget of a cut is published by one writer, trainer rank 0, as three numbers: its version t,

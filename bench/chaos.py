@@ -16,7 +16,8 @@ node 0 runs the store, the verifier and the trainer (trainer.nproc=--nproc ranks
 then the next kill comes a drawn 5-15 steps after training moved again. The run is long enough for
 every kill (trainer.max_steps) and ends by itself.
 
-Reported (one line per kill, then a summary; JSON in OUT/chaos.json): the stall after each death,
+Reported (one line per kill, then a summary; JSON in OUT/chaos.json, the steps over time with the
+kills in OUT/chaos.png): the stall after each death,
 the longest gap between two trainer steps from the kill until training has made 5 steps again,
 against the bound stated for what died:
   an actor with another one alive   run.heartbeat_timeout_s + 30 s (its loss noticed, a regroup)
@@ -137,6 +138,29 @@ def stall_after(run_dir: Path, t: float, n: int = 5) -> float:
     return max((b - a for a, b in zip(edges, edges[1:])), default=float("nan"))
 
 
+def plot(run_dir: Path, report: list, path: Path):
+    """The trainer's steps over wall time, a line at each kill (the picture of the stalls)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = steps_times(run_dir)
+    if not steps:
+        return
+    t0 = steps[0][0]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot([t - t0 for t, _ in steps], [s for _, s in steps], ".", ms=2, color="k")
+    colors = dict(zip(KINDS, ["C0", "C1", "C2", "C3", "C4", "C5"]))
+    for row in report:
+        ax.axvline(row["t"] - t0, color=colors[row["kind"]], lw=1, alpha=0.7)
+    for kind, color in colors.items():
+        ax.plot([], [], color=color, label=kind)
+    ax.set_xlabel("seconds since the first step")
+    ax.set_ylabel("trainer step (a restarted trainer redoes steps)")
+    ax.legend(title="killed", fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def bound_for(kind: str, actors: int, heartbeat_s: float) -> tuple:
     """(seconds, what) training may stand still after this kill."""
     if kind in ("trainer", "checkpoint", "two"):
@@ -213,7 +237,7 @@ def main(argv=None):
             moved = wait_steps_after(run_dir, t_kill, 5, 900, nodes)
             stall = stall_after(run_dir, t_kill)
             bound, because = bound_for(kind, a.actors, heartbeat_s)
-            row = {"kill": i + 1, "kind": kind, "killed": what, "stall_s": round(stall, 1),
+            row = {"kill": i + 1, "kind": kind, "killed": what, "t": t_kill, "stall_s": round(stall, 1),
                    "bound_s": bound, "bound": because, "moved_again": moved}
             report.append(row)
             print(f"chaos: kill {i + 1}/{len(kills)}: {kind}: {', '.join(what)}; training stood "
@@ -250,6 +274,7 @@ def main(argv=None):
         "discarded_samples": max((r.get("trainer/discarded", 0) for r in trainer), default=0),
         "kills": report}
     (out / "chaos.json").write_text(json.dumps(summary, indent=1))
+    plot(run_dir, report, out / "chaos.png")
     for name, ok, detail in results:
         print(f"check_run: {name}: {'ok' if ok else 'VIOLATED'} ({detail})")
     print(f"chaos: {len(report)} of {len(kills)} kills survived={summary['survived']}, "

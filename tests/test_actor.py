@@ -96,7 +96,8 @@ class FakeTrainer:
         for inc in new:
             self.store.set(f"oldest/{inc}", f"{self.cut} {self.version + 1}")
         self.store.set(f"group/{g}", json.dumps({"members": members, "cut": self.cut,
-                                                 "epoch": self.epoch, "version": self.version + 1}))
+                                                 "epoch": self.epoch, "version": self.version + 1,
+                                                 "lost": []}))
         self.store.set(f"announce/{int(self.store.add('announced', 1))}", f"group {g}")
         box = {}
         th = threading.Thread(target=lambda: box.update(pg=ws.init_group(

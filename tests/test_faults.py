@@ -245,3 +245,36 @@ def test_every_trainer_rank_filters_its_batch_by_rank_0s_view(tmp_path):
         batch = store.get(f"test/batch/{r}").decode().split(",")
         assert batch == ["1:2"] * SHARE, (r, batch)
         assert int(store.get(f"test/discarded/{r}")) == 4
+
+
+# --- a death during a regroup ------------------------------------------------------------------------------
+
+def test_a_weight_group_whose_member_dies_after_meeting_ends_when_it_is_counted_lost():
+    """A member that met in the store (weights/<g>/joined/<rank>) and died before the group was built: gloo's
+    construction waits for it up to sync.timeout_s (300 s by default, 1,200 in the GPU recipe). It now ends as
+    soon as `given_up()` turns true (Membership: the member counted lost, a heartbeat timeout later)."""
+    store = new_store()
+    store.set("weights/7/joined/1", "1")  # rank 1 met, then died
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match="a member was lost meanwhile"):
+        ws.init_group(store, 0, 2, "gloo", timeout_s=8, name="weights/7", join_timeout_s=5,
+                      given_up=lambda: time.time() > t0 + 1.0)
+    assert time.time() - t0 < 5
+    time.sleep(max(0.0, t0 + 9 - time.time()))  # the construction left behind times out: nothing hangs on
+
+
+def test_an_incarnation_counted_lost_before_its_first_group_registers_again():
+    """An actor counted lost before it ever met in a group (too slow to meet: the group went on without it)
+    was never a member: it used to wait for a group that would never take it, until run.peer_timeout_s, and
+    run.sh then restarted a role nobody killed. Group info lists the incarnations counted lost."""
+    store = new_store()
+    store.add("actor/incarnations", 3)
+    store.set("group/5", '{"members": {"4": 1}, "cut": 5, "epoch": 1, "version": 0, "lost": [3]}')
+    dropped = []
+
+    async def drop_all():
+        dropped.append(True)
+    owner = SimpleNamespace(cfg=common.load_config([]), store=store, proc=0, was_member=False,
+                            st=actor.ActorState(inc=3), drop_all=drop_all, joining_weight_group=None)
+    asyncio.new_event_loop().run_until_complete(elastic.regroup(owner, 5))
+    assert dropped and owner.st.inc == 4  # a new incarnation
