@@ -387,14 +387,16 @@ def admit(cfg, st: ActorState) -> bool:
     trainer's next step. With several actors a slow one's old group holds every actor's
     admission, as it must: the trainer would otherwise train past it.
     Conventional: B*G_steps samples per RL step (fewer for the first after resuming mid-RL-step),
-    then wait for the next weights."""
+    all with the RL step's weights (version t - t % G_steps), then wait for the next weights."""
     a, gs, b = cfg.actor, cfg.actor.group_size, cfg.trainer.batch_size
     if not st.budget_ready:
         return False
     outstanding = st.started - st.returned - st.consumed
     t = st.trainer_version
     if a.schedule == "conventional":
-        return outstanding + gs <= (a.G_steps - t % a.G_steps) * b
+        # the RL step's weights first: the trainer publishes the budget before it announces them
+        rl_step_weights = st.version >= t - t % a.G_steps
+        return rl_step_weights and outstanding + gs <= (a.G_steps - t % a.G_steps) * b
     u_min = oldest(st) if st.others_oldest is None else min(oldest(st), st.others_oldest)
     return outstanding + gs <= (u_min - t + a.max_lag + 1) * b
 

@@ -323,7 +323,7 @@ class Ledger:
         if group.cut != self.cut:
             self.start_cut(group.cut, group.ids_below)
             force = True
-        self.publish(version, set(group.members), force)
+        self.publish(version, set(group.members), force, set(group.cut_members))
 
     def settle(self, pairs: list):
         """Once a step, with every rank's (rank, incarnation, seq) of the step's samples of this
@@ -342,16 +342,19 @@ class Ledger:
                 print(f"[trainer] lost {len(lost)} samples of actor incarnation {inc}: given "
                       "back", flush=True)
 
-    def publish(self, version: int, members, force: bool = True):
+    def publish(self, version: int, members, force: bool = True, in_cut=None):
         """budget/<cut> = "t consumed returned" for this version and membership; not `force`d, at
         most every 0.2 s and only when something changed (the trainer calls it while it waits,
-        so drops and lost incarnations reach the actors without a step)."""
+        so drops and lost incarnations reach the actors without a step). `in_cut`: every
+        incarnation that was a member in this cut (None: every one registered)."""
         if not force and time.monotonic() - self.last < 0.2:
             return
         self.last = time.monotonic()
         store, cut = self.store, self.cut
         returned = 0
-        for inc in range(1, int(store.add("actor/incarnations", 0)) + 1):
+        if in_cut is None:
+            in_cut = range(1, int(store.add("actor/incarnations", 0)) + 1)
+        for inc in sorted(set(in_cut) | set(members)):
             if inc in members:
                 returned += int(store.add(f"dropped/{inc}/{cut}", 0))
                 continue
@@ -396,6 +399,7 @@ class Membership:
         self.store = ws.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
         # the current group: its number, process group, members (incarnation -> first rank)
         self.g, self.pg, self.members, self.cut = 0, None, {}, None
+        self.cut_members = set()
         self.beats, self.lost = {}, set()  # inc -> (last beat value, when it changed here)
         self.verifier = None  # the verifier incarnation at the last cut
         # the watcher's latest look: live incarnations (None: not yet), the verifier's incarnation
@@ -431,6 +435,8 @@ class Membership:
         for inc in members if cut else set(members) - set(self.members):
             store.set(f"oldest/{inc}", f"{g if cut else self.cut} {version}")
         self.g, self.members = g, members
+        # every incarnation that was in a group of this cut (the only ones that may start its samples)
+        self.cut_members = set(members) | (set() if cut else self.cut_members)
         self.cut = g if cut else self.cut
         info = {"members": members, "cut": self.cut, "epoch": self.epoch, "version": version,
                 "lost": sorted(self.lost)}

@@ -593,15 +593,14 @@ class WeightUpdateExtension:
         that left) -> the rank."""
         abandon(self._ws_pg)
         rank = rank_base + self._ws_tp
-        self._ws_pg = init_group(self._ws_store, rank, world_size, "auto", self._ws_timeout,
-                                 f"weights/{g}", join_timeout_s,
-                                 lambda: later_group(self._ws_store, g))
+        # a connection of its own: the group's rendezvous blocks on this worker's, meanwhile
         store = create_store(self._ws_store.host, self._ws_store.port, False, self._ws_timeout)
+        self._ws_pg = init_group(self._ws_store, rank, world_size, "auto", self._ws_timeout,
+                                 f"weights/{g}", join_timeout_s, lambda: later_group(store, g))
 
         def watch(pg):
             with contextlib.suppress(Exception):  # the engine shut down first
-                while not later_group(store, g):
-                    time.sleep(0.5)
+                store.wait([f"group/{g + 1}"], datetime.timedelta(days=365))
             abandon(pg)
         threading.Thread(target=watch, args=(self._ws_pg,), daemon=True).start()
         return rank

@@ -13,7 +13,8 @@ node 0 runs the store, the verifier and the trainer (trainer.nproc=--nproc ranks
   two         two at once: an actor and the verifier, or an actor and the trainer
   regroup     an actor, then (with two or more actors) another while the weight group re-forms
   checkpoint  the trainer, right after it wrote a checkpoint
-then the next kill comes a drawn 5-15 steps after training moved again. The run is long enough for
+then the next kill comes a drawn 5-15 steps after training moved again, once every actor is back in
+the weight group (so that an actor's death has a survivor). The run is long enough for
 every kill (trainer.max_steps) and ends by itself.
 
 Reported (one line per kill, then a summary; JSON in OUT/chaos.json, the steps over time with the
@@ -41,6 +42,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+import weights_sync as ws  # noqa: E402
 from scripts import check_run  # noqa: E402
 from scripts.rundir import read_jsonl  # noqa: E402
 
@@ -83,9 +85,12 @@ def role_processes(role: str) -> list:
 KILLED_GROUPS = set()  # process groups of the killed roles (run.sh starts each role in its own)
 
 
-def kill(role: str, rng) -> str:
-    """SIGKILL one process of `role` drawn by rng -> what was killed."""
+def kill(role: str, rng, not_node: str = None) -> str:
+    """SIGKILL one process of `role` drawn by rng (an actor: not on node `not_node`) -> what was
+    killed."""
     procs = sorted(role_processes(role), key=lambda p: p.pid)
+    if not_node is not None:
+        procs = [p for p in procs if p.environ().get("NODE_RANK") != not_node]
     if not procs:
         return f"{role}: none running"
     p = rng.choice(procs)
@@ -111,6 +116,14 @@ def left_behind() -> list:
         except ProcessLookupError:
             pass
     return left
+
+
+def members(store) -> int:
+    """Actor incarnations in the newest weight group."""
+    g = int(store.add("group/count", 0))
+    if not g or not store.check([f"group/{g}"]):
+        return 0
+    return len(json.loads(store.get(f"group/{g}"))["members"])
 
 
 def steps_times(run_dir: Path) -> list:
@@ -208,6 +221,7 @@ def main(argv=None):
                               stderr=subprocess.STDOUT, env={**env, "NODE_RANK": str(k)},
                               start_new_session=True) for k in range(nnodes)]
     rng = random.Random(a.seed + 1)
+    store = ws.create_store("127.0.0.1", cfg["sync.port"], False, 600)
     report = []
     try:
         if not wait_steps_after(run_dir, 0, 10, 600, nodes):
@@ -219,6 +233,10 @@ def main(argv=None):
                 break
             if not wait_steps_after(run_dir, time.time(), gap, 600, nodes):
                 break
+            # every actor back in the weight group: an actor's death then has a survivor
+            deadline = time.time() + 600
+            while members(store) < a.actors and time.time() < deadline:
+                time.sleep(0.5)
             if kind == "checkpoint":  # right after the next checkpoint
                 ckpts = run_dir / "checkpoints"
                 seen = {p.name for p in ckpts.glob("step-*")}
@@ -233,7 +251,8 @@ def main(argv=None):
             else:  # regroup: a second actor dies while the group re-forms without the first
                 what = [kill("actor", rng)]
                 time.sleep(heartbeat_s + rng.uniform(0.0, 2.0))
-                what.append(kill("actor", rng))
+                first = what[0].split(" node ")[1].split()[0] if " node " in what[0] else None
+                what.append(kill("actor", rng, not_node=first))
             moved = wait_steps_after(run_dir, t_kill, 5, 900, nodes)
             stall = stall_after(run_dir, t_kill)
             bound, because = bound_for(kind, a.actors, heartbeat_s)

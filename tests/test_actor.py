@@ -172,7 +172,9 @@ def env(tmp_path_factory, insecure_serialization):
     model_dir = random_model_dir(tmp / "model", seed=0)
     tok = make_tokenizer()
     store = ws.create_store("127.0.0.1", 0, True, 60)  # port 0: the OS picks a free one
-    _STORE[0] = store
+    # a connection of its own for `_pull`, which runs beside the actor's loop (a TCPStore client
+    # serves one call at a time)
+    _STORE[0] = ws.create_store("127.0.0.1", store.port, False, 60)
     cfg = make_cfg(tmp, model_dir, store.port, free_port())
     loop = asyncio.new_event_loop()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")  # inherited by the engine core process
@@ -498,7 +500,7 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False, proc_index=0):
     def trainer():
         try:
             # the actor registers its incarnation; a group takes it in (it joins by itself)
-            while int(env["store"].add("actor/incarnations", 0)) == registered:
+            while int(_STORE[0].add("actor/incarnations", 0)) == registered:
                 time.sleep(0.01)
             env["trainer"].regroup({registered + 1: 1})
             result["value"] = trainer_fn(pull, st)
@@ -698,12 +700,12 @@ def test_heartbeat_from_registration_and_while_generating(env):
     seen = []
 
     def trainer_fn(pull, st):
-        seen.append(env["store"].get(f"alive/{st.inc}"))  # registered, not yet sent weights
+        seen.append(_STORE[0].get(f"alive/{st.inc}"))  # registered, not yet sent weights
         env["trainer"].send(env["sd"])
         for _ in range(8):
             _pull(pull, 1)
             time.sleep(0.1)
-            seen.append(env["store"].get(f"alive/{st.inc}"))
+            seen.append(_STORE[0].get(f"alive/{st.inc}"))
 
     _run_loop(env, cfg, trainer_fn)
     assert len(set(seen)) >= 3, seen
@@ -756,8 +758,8 @@ def test_dropped_samples_are_given_back_lag_bounded(env):
         for step in range(steps):
             batch = _pull_training(pull, B)
             dropped = [x for x in batch if x[0]["group_id"] == batch[0][0]["group_id"]]
-            env["store"].add(f"dropped/{st.inc}/{st.cut}", len(dropped))  # as the verifier does
-            elastic.forwarded(env["store"], st.cut, batch[0][0]["group_id"])
+            _STORE[0].add(f"dropped/{st.inc}/{st.cut}", len(dropped))  # as the verifier does
+            elastic.forwarded(_STORE[0], st.cut, batch[0][0]["group_id"])
             env["trainer"].publish()  # as the trainer does while it waits
             batch = [x for x in batch if x not in dropped] + _pull_training(pull, len(dropped))
             lags.extend(int(x) for _, a in batch for x in (v0 + step) - a["versions"])
@@ -829,7 +831,7 @@ def test_backpressure_does_not_block_the_loop(env):
     box, registered = {}, int(env["store"].add("actor/incarnations", 0))
 
     def first_weights():  # a group takes the actor's new incarnation in, then its first weights
-        while int(env["store"].add("actor/incarnations", 0)) == registered:
+        while int(_STORE[0].add("actor/incarnations", 0)) == registered:
             time.sleep(0.01)
         env["trainer"].regroup({registered + 1: 1})
         env["trainer"].send(env["sd"])
@@ -963,6 +965,9 @@ def test_admission_budgets_hand_worked():
     conv = cfg("actor.schedule=conventional", "actor.G_steps=4", "actor.max_lag=3")
     st = actor.ActorState(budget_ready=True, version=8, trainer_version=8, started=28, share=8)
     assert actor.admit(conv, st) and (setattr(st, "started", 32) or not actor.admit(conv, st))
+    # the trainer published version 8's budget before announcing its weights: nothing starts on version 4's
+    early = actor.ActorState(budget_ready=True, version=4, trainer_version=8, started=16, consumed=16)
+    assert not actor.admit(conv, early) and (setattr(early, "version", 8) or actor.admit(conv, early))
     st = actor.ActorState(budget_ready=True, version=10, trainer_version=10, started=12,
                           share=8)  # resumed at step 10: 2 steps left
     assert actor.admit(conv, st) and (setattr(st, "started", 16) or not actor.admit(conv, st))
@@ -1223,7 +1228,7 @@ def test_an_update_is_logged_with_its_timings(env, monkeypatch):
 
     def trainer_fn(pull, st):
         for step in range(4):
-            env["store"].set(f"probe/{env['trainer'].version + 1}", probe)
+            _STORE[0].set(f"probe/{env['trainer'].version + 1}", probe)
             env["trainer"].send(env["sd"])
             if step < 3:
                 _pull(pull, 8)
