@@ -188,7 +188,7 @@ def test_dropped_groups_do_not_stall_either_schedule(tmp_path, schedule):
     assert trainer_steps(run_dir)[-1] == 4
     verifier = read_jsonl(run_dir / "metrics_verifier.jsonl")[-1]
     assert verifier["verifier/dropped_groups"] >= 1, verifier  # the drops happened
-    assert_invariants(run_dir, ("lag",))
+    assert_invariants(run_dir, ("lag", "groups", "ids"))
     if schedule == "pipeline":  # (conventional updates an idle engine: no stall to measure)
         check_update_and_off_policy_metrics(run_dir, model_dir)
 
@@ -355,7 +355,7 @@ def test_killed_trainer_restarts_from_its_checkpoint(tiny_model_dir, tmp_path):
     kept = timeline(read_samples(run_dir))
     resumed_at = int(re.findall(r"resumed from \S+/step-(\d+)", (run_dir / "logs" / "trainer.log").read_text())[-1])
     assert [r["step"] for r in kept if r["rank"] == 0] == list(range(1, steps + 1))
-    assert_invariants(run_dir, ("lag", "steps"))
+    assert_invariants(run_dir, ("lag", "steps", "groups", "ids"))
     trained = {g for r in kept for g in r["group_ids"]}
     meta = json.loads((run_dir / "checkpoints" / f"step-{resumed_at}" / "trainer_state.json").read_text())
     assert set(range(meta["max_group_id"] + 1)) <= trained, sorted(set(range(meta["max_group_id"] + 1)) - trained)

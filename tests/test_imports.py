@@ -161,6 +161,10 @@ def test_the_arrows_run_one_way():
     """Launching reaches the model and the reader, not the plots; the reader reaches nothing."""
     graph = arrows(REPO)
     assert graph["scripts.rundir"] == set(), graph["scripts.rundir"]
+    # the fault layer reaches the weight group's code, never a role; vLLM loads weights_sync by name in
+    # its workers, which must not pull in the fault layer
+    assert graph["elastic"] <= {"weights_sync", "common"}, graph["elastic"]
+    assert "elastic" not in graph["weights_sync"], graph["weights_sync"]
     assert {"scripts.throughput_model", "scripts.rundir"} <= graph["scripts.launch"]
     for module in ("scripts.plot", "scripts.trace", "scripts.throughput_model",
                    "bench.longtail_model"):
