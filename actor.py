@@ -1,8 +1,8 @@
 """Actor: vLLM generation with in-flight weight updates (PipelineRL, arXiv 2509.19128, Algorithm 2).
 
-Consumes: training prompts from tasks.py (a seeded stream, indexed by group id: elastic.take_group_id
-  hands out each id once); new weights over the weight group (weights_sync.py), announced by the
-  store keys `announce/<n>`.
+Consumes: training prompts from tasks.py (a seeded stream, indexed by group id:
+  elastic.take_group_id hands out each id once); new weights over the weight group
+  (weights_sync.py), announced by the store keys `announce/<n>`.
 Produces: one `rollout` (common.SCHEMAS) per finished sample, ZMQ PUSH to ports.host:ports.rollouts:
   prompt_ids, completion_ids, logprobs (behaviour policy μ: log_softmax(logits/temperature) of each
   sampled token), versions (the version that sampled each token), group, task and timing fields;
@@ -435,7 +435,7 @@ class Actor:
         self.last_log = time.time() - cfg.run.log_every  # the first pass logs (and beats)
         self.last_tick = None
         self.blocked_at_log = 0.0
-        self.drops_checked = 0.0
+        self.budget_read_at = 0.0
         self.events = common.Events(cfg.run_dir, f"actor{proc_index}", cfg.run.trace)
         # what holds admission now ("lag", "rl_step": budgets; or "capacity"), and since when
         self.admission, self.admission_since = None, time.time()
@@ -623,8 +623,8 @@ class Actor:
         while st.inflight + gs <= cfg.actor.max_inflight * len(self.engines):
             ok = admit(cfg, st)
             # budget spent: were samples trained, forwarded or given back since we last looked?
-            if not ok and now - self.drops_checked > 0.05:
-                self.drops_checked = now
+            if not ok and now - self.budget_read_at > 0.05:
+                self.budget_read_at = now
                 self.refresh_budget()
                 ok = admit(cfg, st)
             if not (ok and elastic.reserve(self.store, st, gs, lambda st: admit(cfg, st))):
@@ -669,7 +669,8 @@ class Actor:
 
     def publish_oldest(self):
         """Tell the other members the oldest version this incarnation has in flight, when it grew
-        (`admit`; WeightServer sets a member's first, at or below any version it will start)."""
+        (`admit`; elastic.Membership sets a member's first, at or below any version it will
+        start)."""
         st, now = self.st, oldest(self.st)
         if st.weight_group is not None and now != self.published:
             self.published = now

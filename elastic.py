@@ -14,7 +14,7 @@ writes that keeps each.
   actor/incarnations           counter: actor starts and returns       actors (`register`)
   alive/<inc>                  a heartbeat, rewritten every log_every  actor <inc> (`beat`)
   groups/next                  "cut next by": the next new group id    actors (`take_group_id`);
-                                                                       the trainer at a cut (`fence`)
+                                                                       trainer, a cut (`fence`)
   redo/<cut>                   "id,id,...": ids to generate again      trainer rank 0 (`Ledger`)
                                first (below the cut's fence never
                                trained nor dropped; a lost
@@ -31,12 +31,12 @@ writes that keeps each.
                                dropped for good
   forwarded/<cut>/<id>         the verifier has forwarded or dropped   verifier (`forwarded`)
                                the group: it may leave u_min
-  oldest/<inc>                 "cut version": the oldest start         actor <inc>; the trainer for a
-                               version it has in flight                new member (`Membership`)
+  oldest/<inc>                 "cut version": the oldest start         actor <inc>; the trainer
+                               version it has in flight                for a new one (`Membership`)
   group/count, group/<g>       the weight groups formed: members,      trainer rank 0 (`Membership`)
                                cut, epoch, version, incarnations lost
   trainer/epoch                counter: trainer starts                 trainer rank 0 (`new_epoch`)
-  verifier/incarnations        counter                                 verifier (`register_verifier`)
+  verifier/incarnations        counter                                 the verifier
 
 The budget of a cut is published by one writer, trainer rank 0, as three numbers: its version t,
 the samples of the cut it has trained (consumed), and the samples given back (returned): every
@@ -63,6 +63,11 @@ def store_lost(role: str, error) -> int:
     print(f"[{role}] lost the run's store (sync.host:sync.port: weights_sync.py, which run.sh "
           f"starts on node 0): {error}", file=sys.stderr, flush=True)
     return STORE_LOST
+
+
+def check_store(store):
+    """Raise DistNetworkError if the run's store went away (a role that touches it rarely)."""
+    store.check(["verifier/incarnations"])
 
 # --- actor side -----------------------------------------------------------------------------------
 
@@ -413,7 +418,8 @@ class Membership:
         trainer's first look comes before it has seen any beat change)."""
         if self.live is None:  # the watcher's first look is yet to come
             return False
-        changed = broken or set(self.live) != set(self.members) or self.verifier_now != self.verifier
+        restarted = self.verifier_now != self.verifier
+        changed = broken or set(self.live) != set(self.members) or restarted
         return changed and bool(self.live or self.members)
 
     def form(self, version: int):
@@ -435,7 +441,7 @@ class Membership:
         for inc in members if cut else set(members) - set(self.members):
             store.set(f"oldest/{inc}", f"{g if cut else self.cut} {version}")
         self.g, self.members = g, members
-        # every incarnation that was in a group of this cut (the only ones that may start its samples)
+        # every incarnation in a group of this cut (the only ones that may start its samples)
         self.cut_members = set(members) | (set() if cut else self.cut_members)
         self.cut = g if cut else self.cut
         info = {"members": members, "cut": self.cut, "epoch": self.epoch, "version": version,

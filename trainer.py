@@ -770,9 +770,9 @@ def take_batch(sock, pending, want, share, state, cfg, addr, vocab_size, view, o
         state.alone_since = None if who else state.alone_since
         if is_main() and not who and time.time() - last > 5 and not state.alone_since:
             state.alone_since = time.time()
-            print(f"[trainer] no actor in the weight group: waiting up to {cfg.run.peer_timeout_s:.0f}"
-                  " s (run.peer_timeout_s) for one to join (actor.py, or run.sh on its node)",
-                  flush=True)
+            print("[trainer] no actor in the weight group: waiting up to "
+                  f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s) for one to join (actor.py, "
+                  "or run.sh on its node)", flush=True)
         if time.time() - last > cfg.run.peer_timeout_s:
             sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
                      f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(pending)} of "

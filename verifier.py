@@ -386,7 +386,7 @@ def main():
                           f"{group['size']} samples received): waiting for the rest", flush=True)
                     state.counts["slow_groups"] += 1
             log_window(state, pool, now)
-            store.add("verifier/incarnations", 0)  # the store alive? (else: exit 3, below)
+            elastic.check_store(store)  # the run's store gone: exit 3, below
 
     # --- shutdown (SIGTERM / SIGINT) ---
     log_window(state, pool, time.monotonic())
