@@ -29,6 +29,7 @@ and kills survived, the invariants' verdict, roles that run.sh restarted without
 samples given back (the actors' `returned`) and discarded (the trainer's).
 """
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -119,8 +120,11 @@ def left_behind() -> list:
 
 
 def members(store) -> int:
-    """Actor incarnations in the newest weight group."""
-    g = int(store.add("group/count", 0))
+    """Actor incarnations in the newest weight group (the store gone, the run over: a large number)."""
+    try:
+        g = int(store.add("group/count", 0))
+    except RuntimeError:  # DistNetworkError
+        return 10**9
     if not g or not store.check([f"group/{g}"]):
         return 0
     return len(json.loads(store.get(f"group/{g}"))["members"])
@@ -205,7 +209,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     kills = plan(a.kills, a.seed, a.actors, a.kinds.split(","))
     heartbeat_s = 3.0
-    cfg = {"model.path": a.model, "run.dir": run_dir, "trainer.max_steps": 40 + 30 * a.kills,
+    cfg = {"model.path": a.model, "run.dir": run_dir, "trainer.max_steps": 40 + 45 * a.kills,
            "trainer.batch_size": 32, "actor.group_size": 4, "actor.max_tokens": 24,
            "actor.max_lag": a.max_lag, "actor.max_inflight": 32, "actor.eval_every": 0,
            "trainer.checkpoint_every": 10, "trainer.nproc": a.nproc, "verifier.workers": a.workers,
@@ -235,8 +239,10 @@ def main(argv=None):
                 break
             # every actor back in the weight group: an actor's death then has a survivor
             deadline = time.time() + 600
-            while members(store) < a.actors and time.time() < deadline:
+            while members(store) < a.actors and time.time() < deadline and nodes[0].poll() is None:
                 time.sleep(0.5)
+            if nodes[0].poll() is not None:
+                break
             if kind == "checkpoint":  # right after the next checkpoint
                 ckpts = run_dir / "checkpoints"
                 seen = {p.name for p in ckpts.glob("step-*")}
@@ -269,6 +275,11 @@ def main(argv=None):
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
+        # run.sh starts each role in a session of its own: what a killed node's run.sh left
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            if f"run.dir={run_dir}" in (p.info["cmdline"] or []):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(os.getpgid(p.pid), signal.SIGKILL)
     results = check_run.check(run_dir)
     left = left_behind()
     text = "".join(p.read_text() for p in logs)
