@@ -348,8 +348,10 @@ class ActorState:
     consumed: int = 0
     trainer_version: int = 0
     budget_ready: bool = False
-    # the trainer's ids to generate again in this cut (elastic.take_group_id; None: not read yet)
+    # the trainer's ids to generate again in this cut (elastic.take_group_id; None: not read yet),
+    # and how many of them were taken when last looked at
     redo: list = None
+    redo_taken: int = 0
     # the group's other members, and the oldest version any of them has in flight (oldest/<inc>)
     others: list = field(default_factory=list)
     others_oldest: int = None
@@ -662,9 +664,17 @@ class Actor:
         """The run's budget as last published (elastic.read_budget), after letting the groups the
         verifier has forwarded leave u_min."""
         st = self.st
-        pushed = [gid for gid, g in st.groups.items() if g.left == 0]
-        for gid in elastic.forwarded_groups(self.store, st, pushed) if pushed else []:
-            del st.groups[gid]
+        # oldest first: a group holds u_min only while none older is in flight
+        while st.groups:
+            u = oldest(st)
+            at_u = [gid for gid, g in st.groups.items() if g.version == u]
+            if not at_u or any(st.groups[gid].left for gid in at_u):
+                break
+            forwarded = elastic.forwarded_groups(self.store, st, at_u)
+            for gid in forwarded:
+                del st.groups[gid]
+            if len(forwarded) < len(at_u):
+                break
         st.budget_ready = elastic.read_budget(self.store, st)
 
     def publish_oldest(self):

@@ -134,7 +134,7 @@ async def regroup(actor, g: int):
     if info["cut"] != st.cut or info["epoch"] != st.epoch:
         await actor.drop_all()
         st.cut, st.cut_version, st.epoch = info["cut"], info["version"], info["epoch"]
-        st.redo, st.budget_ready = None, False
+        st.redo, st.redo_taken, st.budget_ready = None, 0, False
     st.share = cfg.trainer.batch_size // len(members)
     st.others = sorted(set(members) - {st.inc})
     st.weight_group = actor.joining_weight_group = actor.published = None
@@ -211,8 +211,11 @@ def _take_redo(store, st):
     key = f"redo/{st.cut}/taken"
     while True:
         listed = int(store.add(f"redo/{st.cut}/count", 0))
+        if listed <= st.redo_taken:  # (the count taken only grows: none left)
+            return None
         now = store.get(key).decode()
         k = int(now.split()[0])
+        st.redo_taken = k
         if k >= listed:
             return None
         mine = f"{k + 1} {st.inc}"
