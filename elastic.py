@@ -311,10 +311,13 @@ class Ledger:
         self.cut, self.consumed, self.received, self.highest, self.lost = cut, {}, {}, {}, {}
         state = self.state
         self.store.set(f"redo/{cut}/taken", "0 trainer")
+        self.store.set(f"redo/{cut}", "")  # the actors wait for it (read_budget)
         self.redo(range(state.trained_below, ids_below), f"cut {cut}")
 
     def redo(self, ids, why: str):
         """List the ids of `ids` that were neither trained nor dropped, to generate again first."""
+        if not ids:
+            return
         state, dropped = self.state, dropped_ids(self.store)
         ids = [g for g in ids if g >= state.trained_below and g not in state.trained_ids
                and g not in dropped]

@@ -875,9 +875,8 @@ def main():
             books.follow(group, state.step, force)
 
     def view():
-        """Rank 0: the members and the cut of the books (samples of a newer cut cannot exist
-        before the books publish its budget)."""
-        keep_books()
+        """Rank 0, right after keep_books: the members and the cut of the books (samples of a
+        newer cut cannot exist before the books publish its budget)."""
         return set(group.members), books.cut
 
     # --- samples: each rank pulls its own share from the verifier ---

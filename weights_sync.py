@@ -131,7 +131,8 @@ def _new_group(backend: str, prefix, rank: int, world_size: int, timeout):
 def later_group(store, g: int) -> bool:
     """Has a weight group after g been formed? Its number counted and its key set (a trainer that
     died between the two left a number without a key: a later one's key counts too)."""
-    return any(store.check([f"group/{h}"]) for h in range(g + 1, int(store.add("group/count", 0)) + 1))
+    count = int(store.add("group/count", 0))
+    return any(store.check([f"group/{h}"]) for h in range(g + 1, count + 1))
 
 # Groups given up (`abandon`), by id. NCCL: the shutdown aborts the communicator, and a collective
 # waiting on it fails at once. gloo: its shutdown ends nothing (a broadcast waiting on a peer that
@@ -600,7 +601,8 @@ class WeightUpdateExtension:
 
         def watch(pg):
             with contextlib.suppress(Exception):  # the engine shut down first
-                store.wait([f"group/{g + 1}"], datetime.timedelta(days=365))
+                while not later_group(store, g):
+                    time.sleep(0.5)
             abandon(pg)
         threading.Thread(target=watch, args=(self._ws_pg,), daemon=True).start()
         return rank
