@@ -496,7 +496,10 @@ class Actor:
 
     async def drop_all(self):
         """Cancel every request in flight (vLLM aborts them) and wait for their tasks: a cut, an
-        exclusion, or the end. Their budget goes with the accounting they belonged to."""
+        exclusion, or the end. Their budget goes with the accounting they belonged to. Nothing is
+        admitted meanwhile (each cancel yields to the loop): a group started then would be pushed
+        under the next incarnation or cut, and wiped from the books that count it."""
+        self.st.weight_group = None  # (a cut's or a return's group sets it again)
         # the groups given up (tests/test_elastic.py checks every id's fate)
         self.note(groups_given_up=[gid for gid, g in self.st.groups.items() if g.left])
         # forgotten first: the loop must not read a cancelled evaluation as failed

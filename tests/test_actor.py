@@ -650,6 +650,38 @@ def test_resume_generates_untrained_groups_first(env):
     assert not {g for g in groups if g < first_new} - {2, 5}, sorted(groups)
 
 
+def test_an_excluded_incarnation_starts_nothing_while_it_gives_up_its_groups(env):
+    """The trainer counts this incarnation lost while it generates (its heartbeat late: a group without
+    it, "lost" naming it). It cancels every request in flight, and each cancel yields to its loop: a
+    group admitted then was pushed under the next incarnation, never a member, and taken off the books
+    that counted it (elastic.regroup -> Actor.drop_all)."""
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=4",
+                   "actor.max_tokens=48", "actor.max_inflight=16", "run.peer_timeout_s=300")
+    fake = env["trainer"]
+    after = []
+
+    def trainer_fn(pull, st):
+        fake.send(env["sd"])
+        _pull(pull, 4)  # generating: four groups in flight
+        lost = st.inc
+        store = fake.store
+        g = int(store.add("group/count", 1))
+        store.set(f"group/{g}", json.dumps({"members": {}, "cut": fake.cut, "epoch": fake.epoch,
+                                            "version": fake.version, "lost": [lost]}))
+        store.set(f"announce/{int(store.add('announced', 1))}", f"group {g}")
+        deadline = time.time() + 3
+        while time.time() < deadline:
+            if pull.poll(100):
+                h, _ = recv(pull, "rollout")
+                after.append(h["inc"])
+        return lost
+
+    st, lost, rest = _run_loop(env, cfg, trainer_fn)
+    strays = [inc for inc in after + [h["inc"] for h, _ in rest] if inc != lost]
+    assert st.inc != lost and not strays, f"{len(strays)} samples of incarnation {st.inc}, never a member"
+    assert st.inflight == 0 and not st.groups
+
+
 def test_weights_owed_hand_worked():
     import trainer
     assert not trainer.weights_owed(step=5, sent=5, max_lag=0)  # the actor holds the version trained now
