@@ -29,8 +29,8 @@ writes that keeps each.
                                                                        rank 0 (lost on the way)
   groups/dropped               "id,id,...": groups the verifier        verifier (`drop`)
                                dropped for good
-  forwarded/<cut>/<id>         the verifier has forwarded or dropped   verifier (`forwarded`)
-                               the group: it may leave u_min
+  forwarded/<cut>/<inc>/<id>   the verifier has forwarded or dropped   verifier (`forwarded`)
+                               inc's group: it may leave u_min
   oldest/<inc>                 "cut version": the oldest start         actor <inc>; the trainer
                                version it has in flight                for a new one (`Membership`)
   group/count, group/<g>       the weight groups formed: members,      trainer rank 0 (`Membership`)
@@ -233,9 +233,9 @@ def forwarded_groups(store, st, ids: list) -> list:
     """Of these pushed groups, the ones the verifier has forwarded or dropped (a group holds u_min
     until then: the verifier may complete groups out of order, and the trainer consumes them in
     the order it forwards them)."""
-    done = [g for g in ids if store.check([f"forwarded/{st.cut}/{g}"])]
+    done = [g for g in ids if store.check([f"forwarded/{st.cut}/{st.inc}/{g}"])]
     for g in done:
-        store.delete_key(f"forwarded/{st.cut}/{g}")
+        store.delete_key(f"forwarded/{st.cut}/{st.inc}/{g}")
     return done
 
 
@@ -247,9 +247,10 @@ def register_verifier(store) -> int:
     return int(store.add("verifier/incarnations", 1))
 
 
-def forwarded(store, cut: int, group_id: int):
-    """The group is in the verifier's outbox (or dropped): its actor may let it leave u_min."""
-    store.set(f"forwarded/{cut}/{group_id}", "1")
+def forwarded(store, inc: int, cut: int, group_id: int):
+    """Incarnation inc's group is in the verifier's outbox (or dropped): inc may let it leave u_min.
+    Per incarnation: a lost one's copy of a group says nothing of the copy generated again."""
+    store.set(f"forwarded/{cut}/{inc}/{group_id}", "1")
 
 
 def drop(store, inc: int, cut: int, group_id: int, size: int):
@@ -257,7 +258,7 @@ def drop(store, inc: int, cut: int, group_id: int, size: int):
     incarnation that started them, its id is never generated again."""
     store.add(f"dropped/{inc}/{cut}", size)
     store.append("groups/dropped", f"{group_id},")
-    forwarded(store, cut, group_id)
+    forwarded(store, inc, cut, group_id)
 
 # --- trainer side ---------------------------------------------------------------------------------
 
@@ -296,19 +297,23 @@ class Ledger:
     a ZMQ pipe is first in, first out (a reconnected rank's new pipe carries newer seqs), so once
     every rank has received a sample numbered above s, sample s never arrives (its rank's
     connection dropped with it queued, or it came malformed). Judged from the first seq received:
-    a restarted trainer, or a new cut, says nothing of what was sent before it."""
+    a restarted trainer, or a new cut, says nothing of what was sent before it; and only while the
+    cut's verifier runs: a restarted one numbers from 0 again (its samples come before the cut it
+    causes, and it registers before it sends any: `settle` sees it)."""
 
     def __init__(self, store, ranks: int, state):
         self.store, self.ranks, self.state = store, ranks, state
-        self.cut, self.published, self.last = None, None, 0.0
+        self.cut, self.published, self.last, self.verifier = None, None, 0.0, None
         self.consumed, self.received, self.highest = {}, {}, {}
         # lost incarnations of the cut -> how many of the ids they took were looked at (redo)
         self.lost = {}
 
-    def start_cut(self, cut: int, ids_below: int):
-        """A new cut: the books start afresh; the ids below the fence that were neither trained
-        nor dropped are listed to do again (redo/<cut>), then the budget goes out."""
+    def start_cut(self, cut: int, ids_below: int, verifier: int = None):
+        """A new cut (made with verifier incarnation `verifier`): the books start afresh; the ids
+        below the fence that were neither trained nor dropped are listed to do again
+        (redo/<cut>), then the budget goes out."""
         self.cut, self.consumed, self.received, self.highest, self.lost = cut, {}, {}, {}, {}
+        self.verifier = verifier
         state = self.state
         self.store.set(f"redo/{cut}/taken", "0 trainer")
         self.store.set(f"redo/{cut}", "")  # the actors wait for it (read_budget)
@@ -332,7 +337,7 @@ class Ledger:
         if group.cut is None:
             return
         if group.cut != self.cut:
-            self.start_cut(group.cut, group.ids_below)
+            self.start_cut(group.cut, group.ids_below, group.verifier)
             force = True
         self.publish(version, set(group.members), force, set(group.cut_members))
 
@@ -343,6 +348,10 @@ class Ledger:
             self.received.setdefault(inc, set()).add(seq)
             self.highest[r, inc] = max(self.highest.get((r, inc), -1), seq)
             self.consumed[inc] = self.consumed.get(inc, 0) + 1
+        restarted = self.verifier is not None and (
+            int(self.store.add("verifier/incarnations", 0)) != self.verifier)
+        if restarted:  # a new verifier's seqs start at 0: judged once its cut starts the books
+            return
         for inc, received in self.received.items():
             # every seq below it arrived or never will (-1 while a rank has none of inc's)
             watermark = min(self.highest.get((r, inc), -1) for r in range(self.ranks))
@@ -461,7 +470,8 @@ class Membership:
                                     f"weights/{g}", cfg.run.heartbeat_timeout_s,
                                     lambda: bool(set(members) & self.lost))
         except dist.DistStoreError:
-            met = [store.check([f"weights/{g}/joined/{rank}"]) for rank in members.values()]
+            met = [store.check([f"weights/{g}/joined/{r}" for r in range(first, first + per)])
+                   for first in members.values()]
             for inc in [inc for inc, ok in zip(members, met) if not ok]:
                 print(f"[trainer] actor incarnation {inc} lost: not in weight group {g} within "
                       f"{cfg.run.heartbeat_timeout_s:.0f} s (run.heartbeat_timeout_s)", flush=True)

@@ -208,16 +208,17 @@ class State:
     def drop(self, key, inc: int, cut: int, size: int, reason: str):
         """A group that will not be forwarded; a training group's samples go back to the budget of
         actor incarnation `inc` since the cut `cut` (elastic.drop), and its id is recorded in
-        groups_dropped.jsonl (scripts/check_run.py accounts for it)."""
+        groups_dropped.jsonl (scripts/check_run.py accounts for it; written first: a verifier
+        killed in between left an id the next cut generates again, not one dropped unrecorded)."""
         self.close(key)
         if not key[0]:
             self.counts["dropped_groups"] += 1
             self.counts["dropped_samples"] += size
-            elastic.drop(self.store, inc, cut, key[1], size)
             record = {"group_id": key[1], "inc": inc, "cut": cut, "size": size, "reason": reason,
                       "time": time.time()}
             with open(self.cfg.run_dir / "groups_dropped.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+            elastic.drop(self.store, inc, cut, key[1], size)
 
 def receive(sock, state: State, pool, tokenizer, limit: int):
     """Check, decode, submit rollouts while the pool has room. A malformed one drops its group: it
@@ -283,7 +284,7 @@ def complete(state: State, key):
     for (h, a), adv in zip(members, advantages):
         state.outbox.append(common.encode({**h, "advantage": adv, "seq": next(seqs)}, a))
     # in the outbox, first in, first out: the group may leave its actor's u_min (actor.admit)
-    elastic.forwarded(state.store, group["stream"][1], key[1])
+    elastic.forwarded(state.store, *group["stream"], key[1])
     state.counts["groups_forwarded"] += 1
 
 def log_window(state: State, pool, now):

@@ -15,7 +15,9 @@ records, a restarted trainer's replacing the steps it redid):
   groups  every trained group has actor.group_size samples, sample_idx 0..group_size-1 once each
           (where recorded; else the count), across ranks and steps
   ids     every group id below the largest trained one is trained or dropped by the verifier
-          (groups_dropped.jsonl), none both: a cut generates the others again (elastic.Ledger).
+          (groups_dropped.jsonl), no copy both (a dropped id may be generated again in a later
+          cut, or by another incarnation once its dropper was lost): a cut generates the others
+          again (elastic.Ledger).
           Untrained ids within K of the largest, or that an actor gave up at the run's end, are
           still in flight at the end and only counted:
           K = (max_lag + 2) * B / group_size (pipeline: the lag budget's groups and one step's
@@ -137,14 +139,15 @@ def check_ids(run_dir, kept: list, records: list, cfg: dict) -> tuple:
     trained = set(trained_samples(kept))
     top = max(trained, default=-1)
     dropped = {d["group_id"]: d.get("reason", "?") for d in read_dropped(run_dir)}
-    # a group dropped in a cut (that cut's verifier held it) may be generated again in a later one
+    # a group dropped in a cut (that cut's verifier held it), or by an incarnation since lost, may
+    # be generated again, in a later cut or by another incarnation: only the same copy is both
     trained_in = defaultdict(set)
     for r in kept:
-        for g in r["group_ids"]:
-            trained_in[g].add(r.get("cut"))
+        for g, inc in zip(r["group_ids"], r.get("incs") or [None] * len(r["group_ids"])):
+            trained_in[g].add((r.get("cut"), inc))
     dropped_in = defaultdict(set)
     for d in read_dropped(run_dir):
-        dropped_in[d["group_id"]].add(d.get("cut"))
+        dropped_in[d["group_id"]].add((d.get("cut"), d.get("inc")))
     problems = [f"group {g} dropped ({dropped[g]}) and trained"
                 for g in sorted(trained & set(dropped)) if trained_in[g] & dropped_in[g]]
     finished = read_given_up(run_dir, at_end=True)

@@ -562,7 +562,7 @@ def _pull(pull, n, timeout_s=60, store=None):
         key = (store.port, h["cut"], h["group_id"])
         _ARRIVED[key] += not h["eval"]
         if not h["eval"] and _ARRIVED[key] == h["group_size"]:
-            elastic.forwarded(store, h["cut"], h["group_id"])
+            elastic.forwarded(store, h["inc"], h["cut"], h["group_id"])
     return out
 
 
@@ -791,7 +791,7 @@ def test_dropped_samples_are_given_back_lag_bounded(env):
             batch = _pull_training(pull, B)
             dropped = [x for x in batch if x[0]["group_id"] == batch[0][0]["group_id"]]
             _STORE[0].add(f"dropped/{st.inc}/{st.cut}", len(dropped))  # as the verifier does
-            elastic.forwarded(_STORE[0], st.cut, batch[0][0]["group_id"])
+            elastic.forwarded(_STORE[0], st.inc, st.cut, batch[0][0]["group_id"])
             env["trainer"].publish()  # as the trainer does while it waits
             batch = [x for x in batch if x not in dropped] + _pull_training(pull, len(dropped))
             lags.extend(int(x) for _, a in batch for x in (v0 + step) - a["versions"])
@@ -1050,7 +1050,7 @@ def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
     for gid in (10, 11, 20):
         actors[gid // 10].st.groups[gid].left = 0  # pushed
     for gid in (10, 11):  # forwarded by the verifier and trained
-        elastic.forwarded(store, cut, gid)
+        elastic.forwarded(store, gid // 10, cut, gid)
     for a in actors.values():
         a.st.version = 4
         actor.Actor.refresh_budget(a)

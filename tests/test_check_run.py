@@ -62,10 +62,11 @@ def write_run(path, records, config=CONFIG, dropped=(), given_up=(), done_at=Non
         name = f"samples_trainer.rank{rank}.jsonl" if rank else "samples_trainer.jsonl"
         with open(path / name, "a") as f:
             f.write(json.dumps(r) + "\n")
-    if dropped:
+    if dropped:  # ids, or (id, the incarnation that dropped it)
+        dropped = [d if isinstance(d, tuple) else (d, 1) for d in dropped]
         (path / "groups_dropped.jsonl").write_text("".join(
-            json.dumps({"group_id": g, "inc": 1, "cut": 1, "size": GROUP_SIZE, "reason": "zero_adv",
-                        "time": 0.0}) + "\n" for g in dropped))
+            json.dumps({"group_id": g, "inc": inc, "cut": 1, "size": GROUP_SIZE, "reason": "zero_adv",
+                        "time": 0.0}) + "\n" for g, inc in dropped))
     # given up mid-run (a cut, an exclusion), then the incarnation's last line (given_up_at_end)
     (path / "metrics_actor.jsonl").write_text(
         json.dumps({"step": 0, "actor/inc": 1, "actor/groups_given_up": list(given_up)}) + "\n"
@@ -177,6 +178,8 @@ def test_a_dropped_group_is_no_gap_and_a_dropped_group_trained_is_a_violation(tm
     both = write_run(tmp_path / "both", clean(), dropped=[7])
     assert violated(both) == {"ids"}
     assert details(both)["ids"] == "1: group 7 dropped (zero_adv) and trained"
+    # incarnation 2's copy dropped, then (2 lost) generated again by incarnation 1 and trained: its fate
+    assert violated(write_run(tmp_path / "again", clean(), dropped=[(7, 2)])) == set()
 
 
 def test_a_group_an_actor_gave_up_and_never_generated_again_is_a_gap_said_so(tmp_path):

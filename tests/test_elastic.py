@@ -65,8 +65,9 @@ def _kill_node(proc):
 
 def test_an_actor_the_verifier_and_the_trainer_die_and_come_back(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    # ~8 steps/s here; the choreography below takes ~200 s (a restarted node's engine starts in 20-90 s)
-    total = 2400
+    # 4-8 steps/s here; the choreography below takes ~200 s (a restarted node's engine starts in 20-90 s):
+    # at most ~1,000 steps before the trainer's kill, the rest of the run after it
+    total = 1600
     args = short_config(tiny_model_dir, run_dir, **{
         "trainer.max_steps": total, "trainer.checkpoint_every": 50, "actor.eval_every": 0,
         "trainer.cpu_cores": "1", "verifier.cpu_cores": "1", "actor.cpu_cores": "0",

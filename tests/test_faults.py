@@ -66,6 +66,27 @@ def test_a_slow_group_holds_u_min_until_the_verifier_forwards_it(tmp_path):
     assert st.groups == {} and actor.oldest(st) == 4
 
 
+def test_a_lost_incarnations_forwarded_group_does_not_release_its_copy_made_again():
+    """Incarnation 1's group 7 was forwarded and never trained (1 was lost): 7 is generated again, by
+    incarnation 2. Its copy holds 2's u_min until the verifier forwards that copy: with the verifier's mark
+    per group id only, 1's mark let it go at once (before the verifier had it), and groups admitted after it
+    could be trained first, past max_lag."""
+    store = new_store()
+    store.set("budget/1", "3 0 0")
+    store.set("redo/1", "7,")
+    store.add("redo/1/count", 1)
+    store.set("redo/1/taken", "1 2")
+    elastic.forwarded(store, 1, 1, 7)  # 1's copy, in the verifier's outbox when 1 was lost
+    st = actor_state(store, 2, 1, version=4)
+    owner = SimpleNamespace(store=store, st=st)
+    st.groups = {7: actor.Group(version=3, left=0, engine=0)}  # 2's copy, pushed
+    actor.Actor.refresh_budget(owner)
+    assert 7 in st.groups and actor.oldest(st) == 3
+    elastic.forwarded(store, 2, 1, 7)  # the verifier forwards 2's copy
+    actor.Actor.refresh_budget(owner)
+    assert st.groups == {}
+
+
 # --- group ids: fenced at a cut, listed again -------------------------------------------------------
 
 def test_group_ids_are_fenced_at_a_cut_and_the_untrained_ones_listed_again():

@@ -189,3 +189,21 @@ def test_settle_judges_each_process_from_its_first_seq_received(tmp_path):
     assert dropped() == [3, 2, 0]  # 14, 15 of process 0; 6, 7 of process 1
     settle((0, 18), (2, 40))
     assert dropped() == [3, 2, 0]  # nothing twice; process 2's first sample: nothing before it judged
+
+
+def test_a_restarted_verifiers_numbering_is_not_judged_against_the_old_ones(tmp_path):
+    """The verifier restarts: the new one numbers its samples from 0 again, and the trainer may settle some
+    of them before the cut the restart causes. Judged against the old verifier's numbers, every seq between
+    them counted lost: samples given back that were trained or still on their way, and the actors admitted
+    past max_lag until the cut. The new verifier registers before it sends any sample: once its
+    incarnation is in the store, the books judge nothing until the cut starts them afresh."""
+    store = weights_sync.create_store("127.0.0.1", 0, True, 60)
+    books = elastic.Ledger(store, 1, SimpleNamespace(trained_below=0, trained_ids=set()))
+    old = elastic.register_verifier(store)
+    books.start_cut(CUT, 0, verifier=old)
+    dropped = lambda: int(store.add(f"dropped/0/{CUT}", 0))  # noqa: E731
+    books.settle([(0, 0, s) for s in range(10)])
+    assert dropped() == 0
+    elastic.register_verifier(store)  # the new verifier, then its samples 0..3
+    books.settle([(0, 0, s) for s in range(4)])
+    assert dropped() == 0
