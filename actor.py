@@ -381,8 +381,9 @@ def admit(cfg, st: ActorState) -> bool:
     verifier's workers reorder groups), so every admission up to then, its own included and any
     actor's, saw u_min <= u: at most (u - t + max_lag + 1)*B samples are forwarded up to it, so it
     is trained on by version <= u + max_lag, and its tokens were sampled by versions >= u. Stale
-    reads only make admission more cautious: `started` is a counter each admission adds to before
-    it counts (elastic.reserve), the trainer publishes (t, consumed, returned) at once, and a
+    reads only make admission more cautious: an admission is counted in `started` by a
+    compare-and-set of the value it checked (elastic.reserve), the trainer publishes (t, consumed,
+    returned) at once, and a
     member's published oldest version only grows. A sample given back is never consumed: dropped
     on the way, or a lost incarnation's never trained (elastic.Ledger). Nothing stalls: once the
     groups in flight are forwarded, u_min is the current version and the budget covers the

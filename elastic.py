@@ -22,8 +22,9 @@ writes that keeps each.
   redo/<cut>/count             counter: ids in redo/<cut>              trainer rank 0 (`Ledger`)
   redo/<cut>/taken             "n by": ids of redo/<cut> taken         actors (`take_group_id`)
   ids/<cut>/<inc>              "id,id,...": the ids it took            actor <inc> (`take_group_id`)
-  budget/<cut>/started         counter: samples started in the cut     actors (`reserve`)
-  budget/<cut>/started/<inc>   one incarnation's share of it           actor <inc> (`reserve`)
+  budget/<cut>/started         "total inc:n inc:n ...": samples         actors (`reserve`); the
+                               started in the cut, and each            trainer creates it ("0")
+                               incarnation's share of them
   budget/<cut>                 "t consumed returned" (below)           trainer rank 0 (`Ledger`)
   dropped/<inc>/<cut>          counter: samples given back on the way  verifier (`drop`), trainer
                                                                        rank 0 (lost on the way)
@@ -147,20 +148,30 @@ async def regroup(actor, g: int):
     actor.joining_weight_group, actor.was_member = g, True
 
 
+def started(value: bytes) -> tuple:
+    """budget/<cut>/started -> (samples started in the cut, {incarnation: its share})."""
+    total, *shares = value.decode().split()
+    return int(total), {int(i): int(n) for i, n in (s.split(":") for s in shares)}
+
+
 def reserve(store, st, group_size: int, admit) -> bool:
-    """Count one more group in the run's budget (budget/<cut>/started), then check `admit(st)` with
-    every admission before it counted, any actor's; over budget: uncount it. Then this
-    incarnation's own count, which the trainer gives back if it is lost: counted after the run's,
-    so that a death in between can only lose budget (at most a group, until the next cut), never
-    exceed it."""
+    """Count one more group of this incarnation in the run's budget if `admit(st)` allows it with
+    every admission before it counted, any actor's: one compare-and-set of the run's count and
+    this incarnation's share together (budget/<cut>/started), so that a death can neither lose
+    budget nor give back (the trainer, for a lost incarnation: its share) what was not counted."""
     key = f"budget/{st.cut}/started"
-    st.started = int(store.add(key, group_size)) - group_size
-    if not admit(st):
-        st.started = int(store.add(key, -group_size))
-        return False
-    st.started += group_size
-    store.add(f"{key}/{st.inc}", group_size)
-    return True
+    now = store.get(key)
+    while True:
+        total, shares = started(now)
+        st.started = total
+        if not admit(st):
+            return False
+        shares[st.inc] = shares.get(st.inc, 0) + group_size
+        mine = " ".join([str(total + group_size), *(f"{i}:{n}" for i, n in sorted(shares.items()))])
+        now = store.compare_set(key, now, mine)
+        if now.decode() == mine:
+            st.started = total + group_size
+            return True
 
 
 def read_budget(store, st) -> bool:
@@ -171,10 +182,12 @@ def read_budget(store, st) -> bool:
     may start before."""
     if not store.check([f"budget/{st.cut}", f"redo/{st.cut}"]):
         return False
-    st.started = int(store.add(f"budget/{st.cut}/started", 0))
-    t, consumed, returned = map(int, store.get(f"budget/{st.cut}").split())
+    budget, now, *oldest = store.multi_get([f"budget/{st.cut}", f"budget/{st.cut}/started",
+                                            *(f"oldest/{i}" for i in st.others)])
+    st.started = started(now)[0]
+    t, consumed, returned = map(int, budget.split())
     st.trainer_version, st.consumed, st.returned = t, consumed, returned
-    values = [v.decode().split() for v in store.multi_get([f"oldest/{i}" for i in st.others])]
+    values = [v.decode().split() for v in oldest]
     st.others_oldest = min((int(v) if int(c) == st.cut else st.cut_version for c, v in values),
                            default=None)
     return True
@@ -315,6 +328,7 @@ class Ledger:
         self.cut, self.consumed, self.received, self.highest, self.lost = cut, {}, {}, {}, {}
         self.verifier = verifier
         state = self.state
+        self.store.set(f"budget/{cut}/started", "0")
         self.store.set(f"redo/{cut}/taken", "0 trainer")
         self.store.set(f"redo/{cut}", "")  # the actors wait for it (read_budget)
         self.redo(range(state.trained_below, ids_below), f"cut {cut}")
@@ -374,14 +388,14 @@ class Ledger:
         returned = 0
         if in_cut is None:
             in_cut = range(1, int(store.add("actor/incarnations", 0)) + 1)
-        for inc in sorted(set(in_cut) | set(members)):
-            if inc in members:
-                returned += int(store.add(f"dropped/{inc}/{cut}", 0))
-                continue
-            # lost (or not yet in a group: it started nothing)
-            started = int(store.add(f"budget/{cut}/started/{inc}", 0))
-            returned += started - self.consumed.get(inc, 0)
-            if started and store.check([f"ids/{cut}/{inc}"]):
+        lost = sorted(set(in_cut) - set(members))
+        shares = started(store.get(f"budget/{cut}/started"))[1] if lost else {}
+        for inc in members:
+            returned += int(store.add(f"dropped/{inc}/{cut}", 0))
+        for inc in lost:  # (or not yet in a group: it started nothing)
+            share = shares.get(inc, 0)
+            returned += share - self.consumed.get(inc, 0)
+            if share and store.check([f"ids/{cut}/{inc}"]):
                 # its groups are never trained now: listed to generate again, each id it took once
                 ids = _ids(store.get(f"ids/{cut}/{inc}"))
                 self.redo(ids[self.lost.get(inc, 0):], f"actor incarnation {inc} lost")

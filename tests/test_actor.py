@@ -88,6 +88,7 @@ class FakeTrainer:
         if cut:  # the budget counts from the cut's first weights (set by consumed())
             self.first = None
             elastic.fence(self.store, g, floor)
+            self.store.set(f"budget/{g}/started", "0")
             ids = [i for i in redo.split(",") if i]  # as elastic.Ledger.start_cut lists them
             self.store.set(f"redo/{g}", "".join(f"{i}," for i in ids))
             self.store.add(f"redo/{g}/count", len(ids))
@@ -1021,6 +1022,7 @@ def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
     cfg = common.load_config(["trainer.batch_size=8", "actor.group_size=4", "actor.max_lag=1"])
     cut = 1
     store.set(f"budget/{cut}", "3 0 0")  # as the trainer's books publish a cut: version 3, nothing consumed
+    store.set(f"budget/{cut}/started", "0")
     store.set(f"redo/{cut}", "")
     store.set(f"redo/{cut}/taken", "0 trainer")
     store.add("actor/incarnations", 2)
@@ -1042,7 +1044,7 @@ def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
         a.st.groups[10 * inc + len(a.st.groups)] = actor.Group(version=a.st.version, left=4, engine=0)
         return True
     assert start(1) and start(2) and start(1) and start(2) and not start(1) and not start(2)
-    assert int(store.add(f"budget/{cut}/started", 0)) == 16  # the refused ones uncounted
+    assert store.get(f"budget/{cut}/started") == b"16 1:8 2:8"  # the refused ones never counted
     # version 3 trained on incarnation 1's 8; incarnation 2's first group (20) is with the verifier, its
     # second (21) is slow: in flight at version 3
     books.settle([(0, 1, s) for s in range(8)])

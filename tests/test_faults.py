@@ -73,6 +73,7 @@ def test_a_lost_incarnations_forwarded_group_does_not_release_its_copy_made_agai
     could be trained first, past max_lag."""
     store = new_store()
     store.set("budget/1", "3 0 0")
+    store.set("budget/1/started", "0")
     store.set("redo/1", "7,")
     store.add("redo/1/count", 1)
     store.set("redo/1/taken", "1 2")
@@ -123,7 +124,7 @@ def test_a_lost_incarnations_ids_are_generated_again_each_once():
     a, b, c = (actor_state(store, inc, 1) for inc in (1, 2, 3))
     for st in (a, a, a, b):  # a takes 0, 1, 2; b takes 3; a started 12 samples
         elastic.take_group_id(store, st)
-    store.add("budget/1/started/1", 12)
+    store.set("budget/1/started", "12 1:12")
     state.trained_ids |= {1}
     books.consumed = {1: 4}
     books.publish(5, {1, 2, 3})
@@ -132,7 +133,7 @@ def test_a_lost_incarnations_ids_are_generated_again_each_once():
     assert store.get("budget/1") == b"5 4 8" and store.get("redo/1") == b"0,2,"
     assert elastic.take_group_id(store, b) == 0 and elastic.take_group_id(store, c) == 2
     assert elastic.take_group_id(store, b) == 4  # the list is done: a new id
-    store.add("budget/1/started/3", 4)
+    store.set("budget/1/started", "16 1:12 3:4")
     books.publish(5, {2})  # incarnation 3 lost with id 2, which it had taken from the list
     assert store.get("redo/1") == b"0,2,2,"
     assert elastic.take_group_id(store, b) == 2
@@ -140,19 +141,32 @@ def test_a_lost_incarnations_ids_are_generated_again_each_once():
     assert store.get("redo/1") == b"0,2,2,"  # nothing listed twice for one loss
 
 
-def test_a_death_between_reserving_and_counting_its_own_loses_budget_never_exceeds_it():
-    """elastic.reserve counts the run's started samples first, then the incarnation's own: an actor that
-    dies between the two leaves the run's count above the sum of its incarnations' (at most a group less
-    admitted until the next cut), never below it (which would let the lost one's give-back exceed what it
-    started)."""
+def test_an_admission_counts_the_run_and_its_share_in_one_write_checked_against_every_other():
+    """elastic.reserve: the run's started samples and each incarnation's share are one value, changed by
+    compare-and-set from the value the admission checked. Before, two counters: an actor killed between
+    them left the run's count a group above its incarnations' shares, budget the trainer never gave back
+    (at max_lag=0 no step could fill again until a cut). Killed during its check now, it counted nothing;
+    an admission whose checked value changed meanwhile (another actor's) checks again with it counted."""
     store = new_store()
-    st = actor_state(store, 1, 1)
+    store.set("budget/1/started", "0")
+    st, other = actor_state(store, 1, 1), actor_state(store, 2, 1)
 
-    def killed_after_counting(s):  # the check runs between the two writes
+    def killed_while_checking(s):
         raise SystemExit("killed")
     with pytest.raises(SystemExit):
-        elastic.reserve(store, st, 4, killed_after_counting)
-    assert int(store.add("budget/1/started", 0)) == 4 and int(store.add("budget/1/started/1", 0)) == 0
+        elastic.reserve(store, st, 4, killed_while_checking)
+    assert store.get("budget/1/started") == b"0"
+    seen = []
+
+    def another_admits_first(s):  # the other actor's admission lands between this one's read and write
+        seen.append(s.started)
+        if len(seen) == 1:
+            assert elastic.reserve(store, other, 4, lambda s: True)
+        return s.started + 4 <= 8
+    assert elastic.reserve(store, st, 4, another_admits_first)
+    assert seen == [0, 4] and store.get("budget/1/started") == b"8 1:4 2:4"
+    assert not elastic.reserve(store, other, 4, lambda s: s.started + 4 <= 8)
+    assert elastic.started(store.get("budget/1/started")) == (8, {1: 4, 2: 4})
 
 
 # --- announcements and group keys whose writer died ------------------------------------------------------
