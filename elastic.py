@@ -7,7 +7,7 @@ promises while roles die and come back:
   it takes to notice it (run.heartbeat_timeout_s) and to start the role again.
 
 The run's TCPStore (weights_sync.serve_store) holds the ledger. One writer per key (a counter may
-have several adders); docs/DESIGN.md, "The fault layer", gives the invariants and the order of the
+have several adders, a list of ids several appenders); docs/DESIGN.md, "The fault layer", gives the invariants and the order of the
 writes that keeps each.
 
   key                          value                                   written by
@@ -20,8 +20,10 @@ writes that keeps each.
                                trained nor dropped; a lost
                                incarnation's never trained)
   redo/<cut>/count             counter: ids in redo/<cut>              trainer rank 0 (`Ledger`)
-  redo/<cut>/taken             "n by": ids of redo/<cut> taken         actors (`take_group_id`)
-  ids/<cut>/<inc>              "id,id,...": the ids it took            actor <inc> (`take_group_id`)
+  redo/<cut>/taken             "n by id": ids of redo/<cut> taken,     actors (`take_group_id`)
+                               the last by `by`, id `id`
+  ids/<cut>/<inc>              "id,id,...": the ids it took (an id     actor <inc>, and the next
+                               may come twice)                         taker (`take_group_id`)
   budget/<cut>/started         "total inc:n inc:n ...": samples         actors (`reserve`); the
                                started in the cut, and each            trainer creates it ("0")
                                incarnation's share of them
@@ -203,38 +205,62 @@ def take_group_id(store, st):
     counter: this incarnation's accounting is stale until it hears of the new group). First the
     trainer's ids to do again (redo/<cut>), each taken by one actor, then a new id from the run's
     counter: no id twice in a cut, none skipped. Recorded (ids/<cut>/<inc>): the trainer generates
-    them again if this incarnation is lost."""
+    them again if this incarnation is lost. A take's value names its taker and id, and the next
+    taker records that take before its own (`_record_previous`): a death between a take and its
+    record loses nothing (the last take is in the value itself, `taken_by`)."""
     gid = _take_redo(store, st)
     while gid is None:
         # compare-and-set: the fence at a cut and every actor's take are one sequence of values
         now = store.get("groups/next").decode()
-        cut, next_id = map(int, now.split()[:2])
-        if cut != st.cut:
+        cut, next_id, by = now.split()
+        if int(cut) != st.cut:
             return None
-        mine = f"{cut} {next_id + 1} {st.inc}"
+        _record_previous(store, st, by, int(next_id) - 1)
+        mine = f"{cut} {int(next_id) + 1} {st.inc}"
         if store.compare_set("groups/next", now, mine).decode() == mine:
-            gid = next_id
+            gid = int(next_id)
     store.append(f"ids/{st.cut}/{st.inc}", f"{gid},")
     return gid
 
 
+def _record_previous(store, st, by: str, gid: int):
+    """The take before this one was incarnation `by`'s, of id gid: recorded for it (it may have
+    died before its own record; the trainer reads each id once however often recorded)."""
+    if by.isdigit() and int(by) != st.inc:
+        store.append(f"ids/{st.cut}/{by}", f"{gid},")
+
+
+def taken_by(store, cut: int, inc: int) -> set:
+    """Every id incarnation inc took in the cut: recorded, and its take that may not be yet."""
+    ids = set(_ids(store.get(f"ids/{cut}/{inc}"))) if store.check([f"ids/{cut}/{inc}"]) else set()
+    for key in ("groups/next", f"redo/{cut}/taken"):
+        value = store.get(key).decode().split() if store.check([key]) else []
+        if key == "groups/next" and value[:1] == [str(cut)] and value[2] == str(inc):
+            ids.add(int(value[1]) - 1)
+        elif key != "groups/next" and value[1:2] == [str(inc)]:
+            ids.add(int(value[2]))
+    return ids
+
+
 def _take_redo(store, st):
-    """The next id of redo/<cut> no actor has taken (compare-and-set on redo/<cut>/taken: the list
-    may grow), or None."""
+    """The next id of redo/<cut> no actor has taken (compare-and-set on redo/<cut>/taken, "k by
+    id": k taken, the last by incarnation `by`, id `id`; the list may grow), or None."""
     key = f"redo/{st.cut}/taken"
     while True:
         listed = int(store.add(f"redo/{st.cut}/count", 0))
         if listed <= st.redo_taken:  # (the count taken only grows: none left)
             return None
         now = store.get(key).decode()
-        k = int(now.split()[0])
-        st.redo_taken = k
+        k, by, *last = now.split()
+        k = st.redo_taken = int(k)
         if k >= listed:
             return None
-        mine = f"{k + 1} {st.inc}"
+        if last:
+            _record_previous(store, st, by, int(last[0]))
+        if k >= len(st.redo or []):
+            st.redo = _ids(store.get(f"redo/{st.cut}"))
+        mine = f"{k + 1} {st.inc} {st.redo[k]}"
         if store.compare_set(key, now, mine).decode() == mine:
-            if k >= len(st.redo or []):
-                st.redo = _ids(store.get(f"redo/{st.cut}"))
             return st.redo[k]
 
 
@@ -318,7 +344,7 @@ class Ledger:
         self.store, self.ranks, self.state = store, ranks, state
         self.cut, self.published, self.last, self.verifier = None, None, 0.0, None
         self.consumed, self.received, self.highest = {}, {}, {}
-        # lost incarnations of the cut -> how many of the ids they took were looked at (redo)
+        # lost incarnations of the cut -> the ids they took that were looked at (redo)
         self.lost = {}
 
     def start_cut(self, cut: int, ids_below: int, verifier: int = None):
@@ -395,11 +421,11 @@ class Ledger:
         for inc in lost:  # (or not yet in a group: it started nothing)
             share = shares.get(inc, 0)
             returned += share - self.consumed.get(inc, 0)
-            if share and store.check([f"ids/{cut}/{inc}"]):
+            if share:
                 # its groups are never trained now: listed to generate again, each id it took once
-                ids = _ids(store.get(f"ids/{cut}/{inc}"))
-                self.redo(ids[self.lost.get(inc, 0):], f"actor incarnation {inc} lost")
-                self.lost[inc] = len(ids)
+                ids = taken_by(store, cut, inc) - self.lost.setdefault(inc, set())
+                self.redo(sorted(ids), f"actor incarnation {inc} lost")
+                self.lost[inc] |= ids
         value = f"{version} {sum(self.consumed.values())} {returned}"
         if force or value != self.published:
             store.set(f"budget/{cut}", value)

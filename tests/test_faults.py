@@ -141,6 +141,59 @@ def test_a_lost_incarnations_ids_are_generated_again_each_once():
     assert store.get("redo/1") == b"0,2,2,"  # nothing listed twice for one loss
 
 
+class KilledAt:
+    """The store as one actor sees it, the actor killed (SystemExit) at its first write to a key starting
+    with `prefix`, before the write."""
+
+    def __init__(self, store, prefix):
+        self.store, self.prefix = store, prefix
+
+    def __getattr__(self, name):
+        call = getattr(self.store, name)
+
+        def maybe_killed(key, *args):
+            if name in ("set", "append", "add", "compare_set") and key.startswith(self.prefix):
+                raise SystemExit(f"killed before {name} {key}")
+            return call(key, *args)
+        return maybe_killed
+
+
+@pytest.mark.parametrize("then", ["another takes", "nobody takes"])
+def test_an_id_taken_by_an_actor_killed_before_recording_it_is_generated_again(then):
+    """An actor killed between taking a group id (compare-and-set on groups/next, or on redo/<cut>/taken)
+    and recording it (ids/<cut>/<inc>): before, the books never listed that id again and it was skipped
+    until the next cut. The value of a take names its taker and id, and the next taker records the take
+    before its own: the books find every id the lost incarnation took."""
+    store = new_store()
+    elastic.fence(store, 1)
+    state = SimpleNamespace(trained_below=0, trained_ids=set())
+    books = elastic.Ledger(store, 1, state)
+    books.start_cut(1, 0)
+    books.redo([7], "a lost incarnation of before")
+    store.add("actor/incarnations", 2)
+    a, b = actor_state(store, 1, 1), actor_state(store, 2, 1)
+    with pytest.raises(SystemExit):
+        elastic.take_group_id(KilledAt(store, "ids/"), a)  # takes 7 from the list, killed before its record
+    assert not store.check(["ids/1/1"])
+    if then == "another takes":
+        assert elastic.take_group_id(store, b) == 0  # a new id: the list is done
+    store.set("budget/1/started", "8 1:8")
+    books.publish(3, {2})  # incarnation 1 lost: 7 again
+    assert elastic._ids(store.get("redo/1")) == [7, 7]
+    assert elastic.take_group_id(store, b) == 7
+    # the same for a new id: incarnation 2 takes 1 (or 0), killed before its record; then lost, with all
+    # it took and never trained
+    c = actor_state(store, 3, 1)
+    with pytest.raises(SystemExit):
+        elastic.take_group_id(KilledAt(store, "ids/"), b)
+    if then == "another takes":
+        assert elastic.take_group_id(store, c) == 2
+    store.set("budget/1/started", "16 1:8 2:8")
+    books.publish(3, {3})
+    again = [0, 1, 7] if then == "another takes" else [0, 7]
+    assert elastic._ids(store.get("redo/1"))[2:] == again
+
+
 def test_an_admission_counts_the_run_and_its_share_in_one_write_checked_against_every_other():
     """elastic.reserve: the run's started samples and each incarnation's share are one value, changed by
     compare-and-set from the value the admission checked. Before, two counters: an actor killed between
