@@ -227,7 +227,8 @@ def shell(overrides: list, visible=None) -> str:
               "TRAINER_NPROC": cfg.trainer.nproc, "ACTOR_CORES": cfg.actor.cpu_cores,
               "TRAINER_CORES": cfg.trainer.cpu_cores, "VERIFIER_CORES": cfg.verifier.cpu_cores,
               "ACTOR_GPUS": gpus["actor"], "TRAINER_GPUS": gpus["trainer"], "MODEL_PATH": cfg.model.path,
-              "SYNC_PORT": cfg.sync.port, "MAX_RESTARTS": cfg.run.max_restarts}
+              "SYNC_HOST": cfg.sync.host, "SYNC_PORT": cfg.sync.port,
+              "MAX_RESTARTS": cfg.run.max_restarts}
     lines = [f"{k}={shlex.quote(str(v))}" for k, v in values.items()]
     lines += [f"ROLES=({' '.join(roles)})", f"GPU_OVERRIDES=({' '.join(map(shlex.quote, gpu_overrides))})"]
     # OMP_NUM_THREADS of each role: one thread per core of its list (an empty list: one)

@@ -435,29 +435,32 @@ def test_two_nodes_on_loopback(tiny_model_dir, tmp_path):
 
 
 def test_the_stores_death_ends_every_node_within_a_minute(tiny_model_dir, tmp_path):
-    """The run's store (node 0's weights_sync.py) killed mid-run: node 0's run.sh stops (the store is never
-    restarted) and node 1's actor says it lost the store and exits 3, which its run.sh does not restart: both
-    nodes end within 60 s, each with one line naming the store. Before, an actor-only node restarted its actor,
-    which then waited run.peer_timeout_s in the store's connect at every start (~15 min at the defaults)."""
+    """The run's store (node 0's weights_sync.py) killed mid-run, three nodes: node 0 (store, verifier,
+    trainer rank 0), node 1 (trainer rank 1: trainer.nnodes=2), node 2 (an actor). Node 0's run.sh stops (the
+    store is never restarted); node 2's actor says it lost the store and exits 3, which its run.sh does not
+    restart; node 1's torchrun fails with status 1 (it reports a rank's exit as its own failure), and its
+    run.sh, finding the store gone, does not restart it either. Every node ends within 60 s, with one line
+    naming the store. Before, an actor-only node restarted its actor, which waited run.peer_timeout_s in the
+    store's connect at every start (~15 min at the defaults), and a trainer-only node restarted torchrun."""
     run_dir = tmp_path / "run"
     args = short_config(tiny_model_dir, run_dir, **{"trainer.cpu_cores": "1", "verifier.cpu_cores": "1",
                                                     "actor.cpu_cores": "0", "trainer.max_steps": 100000,
-                                                    "run.peer_timeout_s": 300})
-    env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1"}
-    node0 = start(args, {**env, "NODE_RANK": "0"})
-    node1 = start(args, {**env, "NODE_RANK": "1"})
-    wait_for(lambda: len(trainer_steps(run_dir)) >= 3, 300, node0, "step 3")
+                                                    "trainer.nnodes": 2, "run.peer_timeout_s": 300})
+    env = {"NNODES": "3", "MASTER_ADDR": "127.0.0.1"}
+    nodes = [start(args, {**env, "NODE_RANK": str(k)}) for k in range(3)]
+    wait_for(lambda: len(trainer_steps(run_dir)) >= 3, 300, nodes[0], "step 3")
     store = [p for p in psutil.process_iter(["pid", "cmdline"])
              if any(c.endswith("weights_sync.py") for c in p.info["cmdline"] or [])]
     assert len(store) == 1, store
     store[0].kill()
     t0 = time.time()
-    rc0, out0 = finish(node0, timeout=60)
-    rc1, out1 = finish(node1, timeout=max(1, 60 - (time.time() - t0)))
+    outs = [finish(node, timeout=max(1, 60 - (time.time() - t0))) for node in nodes]
     assert time.time() - t0 < 60
+    (rc0, out0), (rc1, out1), (rc2, out2) = outs
     assert rc0 != 0 and "FAILED: role 'store' exited" in out0, out0[-3000:]
-    assert rc1 != 0 and "lost the run's store" in out1, out1[-3000:]
-    assert "starting it again" not in out1, out1[-3000:]
+    for rc, out in ((rc1, out1), (rc2, out2)):
+        assert rc != 0 and "lost the run's store" in out, out[-3000:]
+        assert "starting it again" not in out, out[-3000:]
 
 
 def test_readme_paths_exist():
