@@ -182,7 +182,8 @@ while true; do
       fi
       # elastic.STORE_LOST, or the store gone whatever the status said (torchrun reports a trainer
       # rank's 3 as its own failure, 1): nothing on this node can go on without the store
-      if (( rc == 3 )) || ! timeout 5 bash -c "exec 9<>/dev/tcp/$SYNC_HOST/$SYNC_PORT" 2>/dev/null; then
+      if [[ "$role" != store ]] && { (( rc == 3 )) ||
+           ! timeout 5 bash -c "exec 9<>/dev/tcp/$SYNC_HOST/$SYNC_PORT" 2>/dev/null; }; then
         echo "[run.sh] FAILED: role '$role' lost the run's store (weights_sync.py on node 0, sync.host:" \
              "sync.port); stopping this node's roles" >&2
         stop_all
