@@ -86,7 +86,10 @@ if (( NNODES > 1 )); then
   # Every role finds trainer rank 0 (TCPStore, weight group) and the verifier (ZMQ) on node 0.
   OVERRIDES=("sync.host=$MASTER_ADDR" "ports.host=$MASTER_ADDR" "${OVERRIDES[@]}")
 fi
-if (( NNODES > 1 )) && ! printf '%s\n' "${OVERRIDES[@]}" | grep -q '^run.dir='; then
+# (no `printf | grep -q` here: grep -q exits at its first match, and with pipefail a printf still
+# writing dies of SIGPIPE and fails the pipeline, now and then, with many overrides)
+RUN_DIR_GIVEN=0; for o in "${OVERRIDES[@]}"; do [[ "$o" == run.dir=* ]] && RUN_DIR_GIVEN=1; done
+if (( NNODES > 1 && ! RUN_DIR_GIVEN )); then
   echo "config error: run.dir: with NNODES>1 it must be explicit; pass the same run.dir=... on every node" >&2; exit 2
 fi
 # Config, model and GPU checks (scripts/launch.py check), this node's roles and resolved device

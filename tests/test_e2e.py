@@ -200,6 +200,19 @@ def test_bad_config_fails_before_starting(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_long_command_line_with_its_run_dir_is_not_refused(tmp_path):
+    """NNODES>1 wants run.dir on the command line. run.sh looked for it with `printf | grep -q` under
+    pipefail: grep left at its match, and a printf still writing died of SIGPIPE and failed the check, now
+    and then (a fault soak's 24 overrides hit it); with 80 KB after run.dir, every time. The config error
+    that comes instead is the typo's."""
+    flood = ["run.seed=1"] * 8000
+    r = subprocess.run(["bash", "run.sh", f"run.dir={tmp_path}/x", *flood, "actor.typo=1"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+    assert r.returncode == 2 and "must be explicit" not in r.stderr, r.stderr[-2000:]
+    assert "actor.typo" in r.stderr, r.stderr[-2000:]
+
+
 def ports(run_dir):
     return [f"run.dir={run_dir}", f"sync.port={free_port()}", f"ports.rollouts={free_port()}",
             f"ports.samples={free_port()}"]
