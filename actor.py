@@ -163,13 +163,14 @@ def start_at_once(cfg, proc_index: int, devices: list) -> list:
     with ThreadPoolExecutor(len(devices)) as pool:
         return list(pool.map(start, range(len(devices))))
 
-async def init_sync(cfg, engines, proc_index: int = 0):
+async def init_sync(cfg, engines, proc_index: int = 0, store=None):
     """Once the engines are up: each worker ready for weight updates (WeightUpdateExtension); its
-    timeline is events_engine<proc>-<engine>.jsonl."""
+    timeline is events_engine<proc>-<engine>.jsonl. With the run's `store`: ends when it goes away."""
     sync = cfg.sync
-    await asyncio.gather(*(engine.collective_rpc("init_weights_sync", timeout=sync.timeout_s, args=(
+    ready = asyncio.gather(*(engine.collective_rpc("init_weights_sync", timeout=sync.timeout_s, args=(
         sync.host, sync.port, sync.timeout_s, f"engine{proc_index}-{e}", str(cfg.run_dir),
         cfg.run.trace)) for e, engine in enumerate(engines)))
+    await (elastic.unless_store_lost(store, ready) if store is not None else ready)
 
 async def join_weight_group(cfg, engines, g: int, first_rank: int, world_size: int):
     """Every worker joins weight group g (weights_sync.WeightServer): TP rank k of engine e is rank
@@ -780,7 +781,7 @@ async def amain(cfg, store) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
-        await init_sync(cfg, engines, proc_index)
+        await init_sync(cfg, engines, proc_index, store)
         await run_actor(cfg, engines, store, stop, proc_index)
         return 0
     except elastic.PeerTimeout as e:

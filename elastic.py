@@ -47,6 +47,7 @@ member's drops, plus, for an incarnation no longer a member, everything it start
 trained. From then on no sample of that incarnation is trained (the trainer filters each batch by
 the membership it published with, or a newer one), so nothing is given back twice.
 """
+import asyncio
 import json
 import os
 import sys
@@ -71,6 +72,19 @@ def store_lost(role: str, error) -> int:
 def check_store(store):
     """Raise DistNetworkError if the run's store went away (a role that touches it rarely)."""
     store.check(["verifier/incarnations"])
+
+
+async def unless_store_lost(store, awaitable):
+    """Await `awaitable`, checking every second that the run's store is there: a connect to a store
+    that went away waits out its whole timeout (sync.timeout_s), and so would this role."""
+    task = asyncio.ensure_future(awaitable)
+    while not (await asyncio.wait({task}, timeout=1.0))[0]:
+        try:
+            check_store(store)
+        except Exception:
+            task.cancel()
+            raise
+    return task.result()
 
 # --- actor side -----------------------------------------------------------------------------------
 

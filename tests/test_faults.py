@@ -366,3 +366,28 @@ def test_an_incarnation_counted_lost_before_its_first_group_registers_again():
                             st=actor.ActorState(inc=3), drop_all=drop_all, joining_weight_group=None)
     asyncio.new_event_loop().run_until_complete(elastic.regroup(owner, 5))
     assert dropped and owner.st.inc == 4  # a new incarnation
+
+
+def test_a_wait_ends_when_the_store_goes_away():
+    """An actor that starts while the run's store dies: its engines' workers connect to the store, a connect
+    that waits out sync.timeout_s (300 s, then retries), and the actor with it (in a soak, an actor started
+    30 s before the run ended was still there 8 minutes after). elastic.unless_store_lost checks the store
+    every second meanwhile: the wait ends with DistNetworkError, which the actor turns into status 3."""
+    import subprocess
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; "
+                               f"s = d.TCPStore('127.0.0.1', {port}, 1, True); time.sleep(600)"])
+    try:
+        store = ws.create_store("127.0.0.1", port, False, 30)
+
+        async def wait_while_the_store_dies():
+            asyncio.get_running_loop().call_later(1.0, server.kill)
+            await elastic.unless_store_lost(store, asyncio.sleep(120))
+        t0 = time.time()
+        with pytest.raises(dist.DistNetworkError):
+            asyncio.run(wait_while_the_store_dies())
+        assert time.time() - t0 < 10
+        assert asyncio.run(elastic.unless_store_lost(ws.create_store("127.0.0.1", 0, True, 30),
+                                                     asyncio.sleep(0.1, "done"))) == "done"
+    finally:
+        server.kill()
