@@ -165,11 +165,11 @@ def start_at_once(cfg, proc_index: int, devices: list) -> list:
 
 async def init_sync(cfg, engines, proc_index: int = 0, store=None):
     """Once the engines are up: each worker ready for weight updates (WeightUpdateExtension); its
-    timeline is events_engine<proc>-<engine>.jsonl. With the run's `store`: ends when it goes away."""
+    timeline is events_engine<proc>-<engine>.jsonl. With the run's `store`: ends if it goes away."""
     sync = cfg.sync
-    ready = asyncio.gather(*(engine.collective_rpc("init_weights_sync", timeout=sync.timeout_s, args=(
-        sync.host, sync.port, sync.timeout_s, f"engine{proc_index}-{e}", str(cfg.run_dir),
-        cfg.run.trace)) for e, engine in enumerate(engines)))
+    ready = asyncio.gather(*(engine.collective_rpc("init_weights_sync", timeout=sync.timeout_s,
+        args=(sync.host, sync.port, sync.timeout_s, f"engine{proc_index}-{e}", str(cfg.run_dir),
+              cfg.run.trace)) for e, engine in enumerate(engines)))
     await (elastic.unless_store_lost(store, ready) if store is not None else ready)
 
 async def join_weight_group(cfg, engines, g: int, first_rank: int, world_size: int):
@@ -384,8 +384,7 @@ def admit(cfg, st: ActorState) -> bool:
     is trained on by version <= u + max_lag, and its tokens were sampled by versions >= u. Stale
     reads only make admission more cautious: an admission is counted in `started` by a
     compare-and-set of the value it checked (elastic.reserve), the trainer publishes (t, consumed,
-    returned) at once, and a
-    member's published oldest version only grows. A sample given back is never consumed: dropped
+    returned) at once, and a member's published oldest version only grows. A sample given back is never consumed: dropped
     on the way, or a lost incarnation's never trained (elastic.Ledger). Nothing stalls: once the
     groups in flight are forwarded, u_min is the current version and the budget covers the
     trainer's next step. With several actors a slow one's old group holds every actor's

@@ -7,8 +7,8 @@ promises while roles die and come back:
   it takes to notice it (run.heartbeat_timeout_s) and to start the role again.
 
 The run's TCPStore (weights_sync.serve_store) holds the ledger. One writer per key (a counter may
-have several adders, a list of ids several appenders); docs/DESIGN.md, "The fault layer", gives the invariants and the order of the
-writes that keeps each.
+have several adders, a list of ids several appenders); docs/DESIGN.md, "The fault layer", gives
+the invariants and the order of the writes that keeps each.
 
   key                          value                                   written by
   actor/incarnations           counter: actor starts and returns       actors (`register`)
@@ -226,13 +226,13 @@ def take_group_id(store, st):
     while gid is None:
         # compare-and-set: the fence at a cut and every actor's take are one sequence of values
         now = store.get("groups/next").decode()
-        cut, next_id, by = now.split()
-        if int(cut) != st.cut:
+        cut, next_id, by = _take(now)
+        if cut != st.cut:
             return None
-        _record_previous(store, st, by, int(next_id) - 1)
-        mine = f"{cut} {int(next_id) + 1} {st.inc}"
+        _record_previous(store, st, by, next_id - 1)
+        mine = f"{cut} {next_id + 1} {st.inc}"
         if store.compare_set("groups/next", now, mine).decode() == mine:
-            gid = int(next_id)
+            gid = next_id
     store.append(f"ids/{st.cut}/{st.inc}", f"{gid},")
     return gid
 
@@ -244,15 +244,22 @@ def _record_previous(store, st, by: str, gid: int):
         store.append(f"ids/{st.cut}/{by}", f"{gid},")
 
 
+def _take(value: str) -> tuple:
+    """groups/next -> (cut, the next new id, who took the one before: an incarnation or "fence")."""
+    cut, next_id, by = value.split()
+    return int(cut), int(next_id), by
+
+
 def taken_by(store, cut: int, inc: int) -> set:
-    """Every id incarnation inc took in the cut: recorded, and its take that may not be yet."""
+    """Every id incarnation inc took in the cut: recorded, and its last take, which may not be."""
     ids = set(_ids(store.get(f"ids/{cut}/{inc}"))) if store.check([f"ids/{cut}/{inc}"]) else set()
-    for key in ("groups/next", f"redo/{cut}/taken"):
-        value = store.get(key).decode().split() if store.check([key]) else []
-        if key == "groups/next" and value[:1] == [str(cut)] and value[2] == str(inc):
-            ids.add(int(value[1]) - 1)
-        elif key != "groups/next" and value[1:2] == [str(inc)]:
-            ids.add(int(value[2]))
+    if store.check(["groups/next", f"redo/{cut}/taken"]):  # (both set at the cut)
+        now_cut, next_id, by = _take(store.get("groups/next").decode())
+        if now_cut == cut and by == str(inc):
+            ids.add(next_id - 1)
+        _, by, *last = store.get(f"redo/{cut}/taken").decode().split()
+        if last and by == str(inc):
+            ids.add(int(last[0]))
     return ids
 
 

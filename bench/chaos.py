@@ -201,8 +201,8 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--max-lag", type=int, default=4)
     ap.add_argument("--steps-per-kill", type=int, default=45,
-                    help="trainer.max_steps = 40 + this * kills: the steps run while a killed actor's "
-                         "engine starts again count too (one took 119 s here, ~600 steps)")
+                    help="trainer.max_steps = 40 + this * kills: the steps run while a killed "
+                         "actor's engine starts again count too (one took 119 s here, ~600 steps)")
     ap.add_argument("--kinds", default=",".join(KINDS), help="what may be killed, comma-separated")
     ap.add_argument("--model", default=str(REPO / "assets" / "tiny-model"))
     ap.add_argument("--out", default=None)
@@ -213,7 +213,8 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     kills = plan(a.kills, a.seed, a.actors, a.kinds.split(","))
     heartbeat_s = 3.0
-    cfg = {"model.path": a.model, "run.dir": run_dir, "trainer.max_steps": 40 + a.steps_per_kill * a.kills,
+    cfg = {"model.path": a.model, "run.dir": run_dir,
+           "trainer.max_steps": 40 + a.steps_per_kill * a.kills,
            "trainer.batch_size": 32, "actor.group_size": 4, "actor.max_tokens": 24,
            "actor.max_lag": a.max_lag, "actor.max_inflight": 32, "actor.eval_every": 0,
            "trainer.checkpoint_every": 10, "trainer.nproc": a.nproc, "verifier.workers": a.workers,
