@@ -280,16 +280,17 @@ _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, 
             "finish_reason": str, "t_start": float, "t_end": float, "inc": int, "cut": int,
             "eval": bool}
 _ARRAYS = dict(prompt_ids="int32", completion_ids="int32", logprobs="float32", versions="int32")
-# seq: the verifier's count of incarnation inc's samples of a cut, in send order
-# (elastic.Ledger.settle)
-_SAMPLE = {**_ROLLOUT, "reward": float, "status": str, "advantage": float, "seq": int}
+# seq: the verifier's count of incarnation inc's samples of a cut, in send order; verifier, order:
+# its incarnation and its count of all the samples it sent (elastic.whole_groups)
+_SAMPLE = {**_ROLLOUT, "reward": float, "status": str, "advantage": float, "seq": int,
+           "verifier": int, "order": int}
 SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS), "sample": (_SAMPLE, _ARRAYS)}
 # Size caps. A header is ~300 bytes (a long math answer adds a few KiB). A frame is one sequence's
 # tokens at 4 bytes each: 16 MiB holds 4M tokens. Anything bigger is a bug or an attack.
 MAX_HEADER_BYTES = 64 * 2**10
 MAX_FRAME_BYTES = 16 * 2**20
-# Header ids and counts (group_id, sample_idx, group_size, inc, cut, seq) are non-negative and fit in
-# int32: the trainer sums them in float64 and the store adds them as int64, exactly.
+# Header ids and counts (group_id, sample_idx, group_size, inc, cut, seq, ...) are non-negative
+# and fit in int32: the trainer sums them in float64 and the store adds them as int64, exactly.
 _MAX_ID = 2**31 - 1
 _WHAT = {bool: "true or false", int: f"an integer in [0, {_MAX_ID}]", float: "a finite number",
          str: "a string"}

@@ -30,8 +30,8 @@ the invariants and the order of the writes that keeps each.
   budget/<cut>                 "t consumed returned" (below)           trainer rank 0 (`Ledger`)
   dropped/<inc>/<cut>          counter: samples given back on the way  verifier (`drop`), trainer
                                                                        rank 0 (lost on the way)
-  groups/dropped               "id,id,...": groups the verifier        verifier (`drop`)
-                               dropped for good
+  groups/dropped               "id,id,...": groups dropped for good    verifier, trainer rank 0
+                                                                       (`drop`)
   forwarded/<cut>/<inc>/<id>   the verifier has forwarded or dropped   verifier (`forwarded`)
                                inc's group: it may leave u_min
   oldest/<inc>                 "cut version": the oldest start         actor <inc>; the trainer
@@ -348,23 +348,64 @@ def dropped_ids(store) -> set:
     return set(_ids(store.get("groups/dropped"))) if store.check(["groups/dropped"]) else set()
 
 
+def group_table(pending: list, highest: dict, members) -> list:
+    """This rank's part of the groups it holds, for `whole_groups` (one list of ints, gathered from
+    every rank): the number of groups; per group [order, inc, group_id, samples here, seq] (the
+    earliest sent of its samples here: verifier incarnation, then its order; any seq of them);
+    then per stream of a member [inc, the highest seq received] (`highest`: inc -> seq, this
+    cut's)."""
+    groups = {}
+    for s in pending:
+        key, sent = (int(s["inc"]), int(s["group_id"])), int(s["verifier"]) << 32 | int(s["order"])
+        order, n, seq = groups.get(key, (sent, 0, int(s["seq"])))
+        groups[key] = (min(order, sent), n + 1, seq)
+    flat = [len(groups)]
+    for (inc, gid), (order, n, seq) in groups.items():
+        flat += [order, inc, gid, n, seq]
+    for inc, top in highest.items():
+        flat += [inc, top] if inc in members else []
+    return flat
+
+
+def whole_groups(tables: list, size: int, judge: bool) -> tuple:
+    """Every rank alike, from every rank's `group_table`: which groups the ranks hold whole, and
+    which never will be. -> (whole: [(inc, group_id)] in the order the verifier sent them; lost:
+    [(inc, group_id)]; held: (inc, group_id) -> [order, samples, seq]; watermark: inc -> the
+    lowest over the ranks of the highest seq received).
+
+    A group is trained whole, in one step, or not at all, so a sample lost on the way (a rank's
+    connection dropped, a malformed message) cannot leave the rest of its group trained, and
+    neither can a trainer's death between steps. The verifier numbers each stream (actor
+    incarnation, cut) in send order (`seq`); a group's samples are one block of `size`
+    consecutive seqs; a ZMQ pipe is first in, first out. So once every rank has received a seq of
+    the stream past a group's block, what has not arrived of it never will (`judge`: not while
+    the cut's verifier has been replaced, Ledger.judging)."""
+    held, tops = {}, []
+    for flat in tables:
+        n, rest = flat[0], flat[1 + 5 * flat[0]:]
+        for k in range(n):
+            order, inc, gid, count, seq = flat[1 + 5 * k:6 + 5 * k]
+            g = held.setdefault((inc, gid), [order, 0, seq])
+            g[0], g[1] = min(g[0], order), g[1] + count
+        tops.append(dict(zip(rest[0::2], rest[1::2])))
+    watermark = {inc: min(t.get(inc, -1) for t in tops) for inc in set().union(*tops) if judge}
+    whole = [key for _, key in sorted((g[0], key) for key, g in held.items() if g[1] == size)]
+    lost = [key for key, (_, n, seq) in held.items()
+            if n < size and (seq // size + 1) * size <= watermark.get(key[0], -1)]
+    return whole, lost, held, watermark
+
+
 class Ledger:
     """Trainer rank 0's books of the current cut, and the one writer of its budget.
 
-    `consumed`: per incarnation, samples of the cut trained. `received`, `highest`: the
-    (incarnation, seq) pairs settled, to find samples the verifier sent that never arrived intact
-    at any rank: the verifier numbers each incarnation's samples of a cut in send order (`seq`),
-    a ZMQ pipe is first in, first out (a reconnected rank's new pipe carries newer seqs), so once
-    every rank has received a sample numbered above s, sample s never arrives (its rank's
-    connection dropped with it queued, or it came malformed). Judged from the first seq received:
-    a restarted trainer, or a new cut, says nothing of what was sent before it; and only while the
-    cut's verifier runs: a restarted one numbers from 0 again (its samples come before the cut it
-    causes, and it registers before it sends any: `settle` sees it)."""
+    `consumed`: per incarnation, samples of the cut trained. `seen`, `judged`: per incarnation,
+    the blocks of its stream's seqs that some rank held, and the first block not yet judged (a
+    group's samples are one block of group_size consecutive seqs: `whole_groups`)."""
 
-    def __init__(self, store, ranks: int, state):
-        self.store, self.ranks, self.state = store, ranks, state
+    def __init__(self, store, run_dir, state):
+        self.store, self.run_dir, self.state = store, run_dir, state
         self.cut, self.published, self.last, self.verifier = None, None, 0.0, None
-        self.consumed, self.received, self.highest = {}, {}, {}
+        self.consumed, self.seen, self.judged = {}, {}, {}
         # lost incarnations of the cut -> the ids they took that were looked at (redo)
         self.lost = {}
 
@@ -372,7 +413,7 @@ class Ledger:
         """A new cut (made with verifier incarnation `verifier`): the books start afresh; the ids
         below the fence that were neither trained nor dropped are listed to do again
         (redo/<cut>), then the budget goes out."""
-        self.cut, self.consumed, self.received, self.highest, self.lost = cut, {}, {}, {}, {}
+        self.cut, self.consumed, self.seen, self.judged, self.lost = cut, {}, {}, {}, {}
         self.verifier = verifier
         state = self.state
         self.store.set(f"budget/{cut}/started", "0")
@@ -402,25 +443,43 @@ class Ledger:
             force = True
         self.publish(version, set(group.members), force, set(group.cut_members))
 
-    def settle(self, pairs: list):
-        """Once a step, with every rank's (rank, incarnation, seq) of the step's samples of this
-        cut: count them consumed; give back the ones that will never arrive."""
-        for r, inc, seq in pairs:
-            self.received.setdefault(inc, set()).add(seq)
-            self.highest[r, inc] = max(self.highest.get((r, inc), -1), seq)
+    def settle(self, incs: list):
+        """Once a step, with the incarnation of every sample of the step (all ranks): count them
+        consumed."""
+        for inc in incs:
             self.consumed[inc] = self.consumed.get(inc, 0) + 1
-        restarted = self.verifier is not None and (
-            int(self.store.add("verifier/incarnations", 0)) != self.verifier)
-        if restarted:  # a new verifier's seqs start at 0: judged once its cut starts the books
-            return
-        for inc, received in self.received.items():
-            # every seq below it arrived or never will (-1 while a rank has none of inc's)
-            watermark = min(self.highest.get((r, inc), -1) for r in range(self.ranks))
-            lost = [s for s in range(min(received), watermark) if s not in received]
-            self.received[inc] = {s for s in received if s >= watermark}
-            if lost:
-                self.store.add(f"dropped/{inc}/{self.cut}", len(lost))
-                print(f"[trainer] lost {len(lost)} samples of actor incarnation {inc}: given "
+
+    def judging(self) -> bool:
+        """Whether losses may be judged: not while the cut's verifier has been replaced. A new one
+        numbers its samples from 0 again; they belong to the cut before the one its start causes
+        (it registers before it sends any), and that cut starts the books afresh."""
+        return self.verifier in (None, int(self.store.add("verifier/incarnations", 0)))
+
+    def held(self, held: dict, watermark: dict, lost: list, size: int):
+        """Rank 0, whenever the ranks' groups are counted (`whole_groups`): the `lost` groups (a
+        sample of theirs never arrives) are dropped whole, recorded as the verifier records its
+        drops; a block of a stream below its watermark that no rank ever held was a group lost
+        whole: its samples are given back (its id is generated again at the next cut)."""
+        for inc, gid in lost:
+            record = {"group_id": gid, "inc": inc, "cut": self.cut, "size": size,
+                      "reason": "lost on the way", "time": time.time()}
+            with open(self.run_dir / "groups_dropped.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            drop(self.store, inc, self.cut, gid, size)
+            print(f"[trainer] group {gid} of actor incarnation {inc}: a sample never arrived; "
+                  "dropped and given back", flush=True)
+        for (inc, _), (_, _, seq) in held.items():
+            self.seen.setdefault(inc, set()).add(seq // size)
+        for inc, top in watermark.items():
+            seen, block, gone = self.seen.setdefault(inc, set()), self.judged.get(inc, 0), 0
+            while (block + 1) * size <= top:  # every rank holds a later seq of inc: judged
+                gone += block not in seen
+                seen.discard(block)
+                block += 1
+            self.judged[inc] = block
+            if gone:
+                self.store.add(f"dropped/{inc}/{self.cut}", gone * size)
+                print(f"[trainer] {gone} groups of actor incarnation {inc} never arrived: given "
                       "back", flush=True)
 
     def publish(self, version: int, members, force: bool = True, in_cut=None):

@@ -398,10 +398,12 @@ class TrainState:
     epoch: int = 0  # this trainer's start (store counter trainer/epoch): its timeline of steps
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
-    # samples of a lost actor incarnation, or of a group started before the cut (take_batch)
+    # samples of a lost actor incarnation, of a group started before the cut, or of a group that
+    # is never whole (take_batch)
     discarded: int = 0
     alone_since: float = None  # when this rank saw the weight group without actors (take_batch)
     last_sample: float = 0.0  # when this rank last received a sample (pull_samples)
+    highest: dict = field(default_factory=dict)  # (inc, cut) -> the highest seq received
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
     # this rank's timeline (main sets it; run.trace): a disabled one records nothing
     events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
@@ -712,59 +714,74 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
 
 # --- samples --------------------------------------------------------------------------------------
 
-def pull_samples(sock, n, pending, state, vocab_size, seconds: float) -> float:
-    """Pull into `pending` until this rank holds n samples, or `seconds` have passed without it.
+def pull_samples(sock, pending, state, vocab_size, group_size, seconds: float) -> float:
+    """Wait up to `seconds` for a sample, then pull every one already here into `pending`.
     -> seconds waited. A malformed sample (bad schema, non-finite numbers, ids outside the
-    vocabulary) is dropped and counted; no rank trains on its seq, so elastic.Ledger.settle finds
-    it lost and gives it back."""
-    waited, end = 0.0, time.time() + seconds
-    while len(pending) < n:
-        t0 = time.time()
-        if t0 >= end or not sock.poll(max(1, int(1000 * (end - t0)))):
-            return waited + time.time() - t0
-        waited += time.time() - t0
-        state.last_sample = time.time()
+    vocabulary) is dropped and counted: its group is never whole (elastic.whole_groups)."""
+    t0 = time.time()
+    if not sock.poll(int(1000 * seconds)):
+        return time.time() - t0
+    waited = time.time() - t0
+    state.last_sample = time.time()
+    while sock.poll(0):
         frames = sock.recv_multipart()
         try:
             header, arrays = common.decode(frames, "sample")
             ids = np.concatenate([arrays["prompt_ids"], arrays["completion_ids"]])
             if len(arrays["prompt_ids"]) == 0 or not np.all((0 <= ids) & (ids < vocab_size)):
                 raise common.WireError("empty prompt or token id outside the vocabulary")
+            if header["group_size"] != group_size:
+                raise common.WireError(f"group_size {header['group_size']}, not {group_size}")
         except common.WireError as e:
             state.malformed += 1
             print(f"[trainer] rank {rank()}: dropped a malformed sample ({e})", flush=True)
             continue
+        stream = (header["inc"], header["cut"])
+        state.highest[stream] = max(state.highest.get(stream, -1), header["seq"])
         pending.append({**header, **arrays})
     return waited
 
-def take_batch(sock, pending, want, share, state, cfg, addr, vocab_size, view, on_wait):
-    """This rank's `share` samples of the next optimizer step, all ranks together: each pulls for
-    up to 0.2 s at a time, until `want` are here on every rank; between pulls rank 0 keeps its
-    books (`on_wait`: drops and lost actors reach the actors' budget without a step, which a
-    rank still short may be waiting for) and every rank keeps only the samples of the weight
-    group's members and of its cut, by one view for all ranks (rank 0's: `view()` -> (members,
-    cut)). Filtering at this point, not on arrival, is what makes the books exact: whole groups go
-    (a view does not change within a batch), and no sample of an incarnation the books gave back
-    as lost is trained after (rank 0 published with this view or an older one).
-    -> (samples, seconds waited)."""
-    device, waited, since = state.fsdp.device, 0.0, time.time()
+def take_batch(sock, pending, want, size, state, cfg, addr, vocab_size, view, on_wait,
+               books=None):
+    """This rank's part of the next optimizer step's `size` samples, all ranks together: whole
+    groups only, the first the verifier sent (elastic.whole_groups), once `want` samples of whole
+    groups are here. Each rank pulls for up to 0.2 s at a time; between pulls rank 0 keeps its
+    books (`on_wait`: drops and lost actors reach the actors' budget without a step, which the
+    ranks may be waiting for) and every rank keeps only the samples of the weight group's members
+    and of its cut, by one view for all ranks (rank 0's: `view()` -> (members, cut)). Filtering
+    at this point, not on arrival, is what makes the books exact: whole groups go (a view does
+    not change within a batch), and no sample of an incarnation the books gave back as lost is
+    trained after (rank 0 published with this view or an older one). A group that will never be
+    whole is dropped (rank 0's `books`). -> (samples, seconds waited)."""
+    device, waited, since, gs = state.fsdp.device, 0.0, time.time(), cfg.actor.group_size
+    seconds = 0.0  # what is here may do
     while True:
-        waited += pull_samples(sock, want, pending, state, vocab_size, 0.2)
+        waited += pull_samples(sock, pending, state, vocab_size, gs, seconds)
+        seconds = 0.2
         on_wait()
-        # sync: rank 0's view to every rank (cut + 1: 0 for none yet)
+        # sync: rank 0's view to every rank (cut + 1: 0 for none yet; then whether to judge losses)
         mine = []
         if is_main():
             who, cut = view()
-            mine = [0 if cut is None else cut + 1, *who]
+            mine = [0 if cut is None else cut + 1, int(books is None or books.judging()), *who]
         agreed = all_gather_ints(mine, device)[0] if world() > 1 else mine
-        cut, who = agreed[0] - 1 if agreed[0] else None, set(agreed[1:])
+        cut, judge, who = agreed[0] - 1 if agreed[0] else None, agreed[1], set(agreed[2:])
         kept = [s for s in pending if s["inc"] in who and s["cut"] == cut]
         state.discarded += len(pending) - len(kept)
-        pending[:] = kept
-        # sync: every rank has its share, or every rank pulls again
-        if all_max([want - len(pending)], device)[0] <= 0:
-            batch = pending[:share]
-            del pending[:share]
+        # sync: every rank's groups to every rank
+        mine = elastic.group_table(kept, {i: v for (i, c), v in state.highest.items() if c == cut},
+                                   who)
+        tables = all_gather_ints(mine, device) if world() > 1 else [mine]
+        whole, lost, held, watermark = elastic.whole_groups(tables, gs, bool(judge))
+        if is_main() and books is not None:
+            books.held(held, watermark, lost, gs)
+        gone = set(lost)
+        pending[:] = [s for s in kept if (s["inc"], s["group_id"]) not in gone]
+        state.discarded += len(kept) - len(pending)
+        if len(whole) * gs >= want:
+            chosen = set(whole[:size // gs])
+            batch = [s for s in pending if (s["inc"], s["group_id"]) in chosen]
+            pending[:] = [s for s in pending if (s["inc"], s["group_id"]) not in chosen]
             return batch, waited
         last = max(state.last_sample, since)
         state.alone_since = None if who else state.alone_since
@@ -775,24 +792,20 @@ def take_batch(sock, pending, want, share, state, cfg, addr, vocab_size, view, o
                   "or run.sh on its node)", flush=True)
         if time.time() - last > cfg.run.peer_timeout_s:
             sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
-                     f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(pending)} of "
-                     f"{want} here; {waiting_for(who if is_main() else None, cfg)}")
+                     f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(pending)} "
+                     f"here, {len(whole) * gs} of {want} in whole groups on all ranks; "
+                     f"{waiting_for(who if is_main() else None, cfg)}")
 
 def settle(state, samples, books):
-    """All ranks, once a step: every rank's (incarnation, seq, group id) of the step's samples to
-    rank 0, which counts them trained (its books, and the ids a resumed trainer skips)."""
-    flat = [v for s in samples for v in (int(s["inc"]), int(s["seq"]), int(s["group_id"]))]
+    """All ranks, once a step: every rank's (incarnation, group id) of the step's samples to rank
+    0, which counts them trained (its books, and the ids a resumed trainer skips)."""
+    flat = [v for s in samples for v in (int(s["inc"]), int(s["group_id"]))]
     # sync: one all-gather (two all-reduces)
     gathered = all_gather_ints(flat, state.fsdp.device) if world() > 1 else [flat]
     if not is_main():
         return
-    pairs = []
-    for r, f in enumerate(gathered):
-        for inc, seq, gid in zip(f[0::3], f[1::3], f[2::3]):
-            pairs.append((r, inc, seq))
-            if gid >= state.trained_below:
-                state.trained_ids.add(gid)
-    books.settle(pairs)
+    state.trained_ids |= {g for f in gathered for g in f[1::2] if g >= state.trained_below}
+    books.settle([inc for f in gathered for inc in f[0::2]])
 
 def waiting_for(members, cfg) -> str:
     """For the no-samples error: what to look at (members None: not known on this rank)."""
@@ -864,7 +877,7 @@ def main():
         group = elastic.Membership(cfg, state.epoch,
                                    on_cut=lambda s, g: elastic.fence(s, g, floor))
         server = weights_sync.WeightServer(cfg, state.step, device, group)
-        books = elastic.Ledger(store, world(), state)
+        books = elastic.Ledger(store, cfg.run_dir, state)
     if world() > 1:  # sync: rank 0's epoch to every rank (their samples records carry it)
         state.epoch = all_gather_ints([state.epoch] if is_main() else [], device)[0][0]
     send_weights(state, server, store, cfg, wait=True)
@@ -883,7 +896,6 @@ def main():
     addr = common.zmq_addr(cfg.ports.host, cfg.ports.samples)
     sock = common.pull_socket()
     sock.connect(addr)
-    share = cfg.trainer.batch_size // world()
     conventional = cfg.actor.schedule == "conventional"
     common.freeze_heap()
     t_start = t_prev = time.time()
@@ -898,8 +910,9 @@ def main():
         # as B are here.
         steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
         t_wait = time.time()
-        samples, wait_s = take_batch(sock, pending, share * steps, share, state, cfg, addr,
-                                     state.model.config.vocab_size, view, keep_books)
+        samples, wait_s = take_batch(sock, pending, cfg.trainer.batch_size * steps,
+                                     cfg.trainer.batch_size, state, cfg, addr,
+                                     state.model.config.vocab_size, view, keep_books, books)
         state.events.span("wait", t_wait)
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
         settle(state, samples, books)

@@ -3,8 +3,9 @@
 Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor
           (common.SCHEMAS).
 Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group,
-          for the trainer ranks, numbered per actor incarnation and cut in send order (`seq`:
-          the trainer finds the ones that never arrived, elastic.Ledger.settle); an evaluation
+          for the trainer ranks, numbered in send order per actor incarnation and cut (`seq`)
+          and in all (`order`): the trainer trains whole groups in that order and finds the
+          ones that never arrived (elastic.whole_groups); an evaluation
           pass (`eval`: true) becomes a line of <run.dir>/eval.jsonl instead. Dropped groups
           (zero-advantage when asked, malformed; never a slow one) go back to their actor's
           admission budget through the run's store (dropped/<inc>/<cut>). Metrics:
@@ -181,16 +182,16 @@ class State:
     passes have their own ids, and an id generated again in another stream (a restarted trainer's
     redo list, after its cut) is a new group, not a duplicate of the one this process finished."""
 
-    def __init__(self, cfg, store):
-        # the config; the run's store (weights_sync.serve_store)
-        self.cfg, self.store = cfg, store
+    def __init__(self, cfg, store, incarnation: int = 0):
+        # the config; the run's store (weights_sync.serve_store); this verifier's incarnation
+        self.cfg, self.store, self.incarnation = cfg, store, incarnation
         # key -> {"size", "t0", "seen": {idx}, "stream": (inc, cut), "scored": {idx: (header, arrays)}}
         self.open = {}
         self.finished = OrderedDict()  # keys forwarded or dropped (simplification 4)
         self.scoring = {}  # pool ticket -> (key, header, arrays)
         self.outbox = deque()  # encoded samples waiting for a trainer rank
-        # (actor incarnation, cut) -> the count of its samples (`seq`)
-        self.seqs = defaultdict(itertools.count)
+        # (actor incarnation, cut) -> the count of its samples (`seq`); all samples (`order`)
+        self.seqs, self.order = defaultdict(itertools.count), itertools.count()
         self.counts = dict.fromkeys(["groups_forwarded", "zero_adv_groups", "dropped_groups",
                                      "dropped_samples", "duplicates", "malformed", "slow_groups",
                                      "evaluations", *(f"status_{s}" for s in tasks.STATUSES)], 0)
@@ -282,7 +283,9 @@ def complete(state: State, key):
             return state.drop(key, *group["stream"], group["size"], "zero_adv")
     seqs = state.seqs[group["stream"]]  # in send order: the outbox is first in, first out
     for (h, a), adv in zip(members, advantages):
-        state.outbox.append(common.encode({**h, "advantage": adv, "seq": next(seqs)}, a))
+        state.outbox.append(common.encode({**h, "advantage": adv, "seq": next(seqs),
+                                           "verifier": state.incarnation,
+                                           "order": next(state.order)}, a))
     # in the outbox, first in, first out: the group may leave its actor's u_min (actor.admit)
     elastic.forwarded(state.store, *group["stream"], key[1])
     state.counts["groups_forwarded"] += 1
@@ -322,8 +325,8 @@ def main():
     # This incarnation, in the run's store: the trainer cuts when it changes (a restarted verifier
     # lost the groups it held; elastic.Membership)
     store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
-    elastic.register_verifier(store)
-    pool, state = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, store)
+    incarnation = elastic.register_verifier(store)
+    pool, state = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, store, incarnation)
     stopping = threading.Event()  # set by SIGTERM / SIGINT: the loop ends after its current turn
     events = common.Events(cfg.run_dir, "verifier", cfg.run.trace)
     # the timeline's current bucket: its start (time.time()) and the samples scored since
@@ -375,7 +378,7 @@ def main():
         # minutes after its first, and dropping it would train only on the problems answered
         # quickly (and lose an evaluation pass). A sample is known lost only when it arrives
         # malformed (`receive` drops its group), when the trainer finds that it never arrived
-        # (elastic.Ledger.settle), or when a role dies: then the trainer gives up the lost
+        # (elastic.whole_groups), or when a role dies: then the trainer gives up the lost
         # actor's samples, or everything before a cut (elastic.Membership).
         now = time.monotonic()
         if now - state.window["t"] >= cfg.run.log_every:

@@ -76,7 +76,7 @@ def main():
         # publishes the (unbounded: max_lag) budget as the trainer's books do
         group = elastic.Membership(cfg, epoch=1, on_cut=elastic.fence)
         server = ws.WeightServer(cfg, version=0, device=torch.device("cpu"), group=group)
-        books = elastic.Ledger(store, 1, SimpleNamespace(trained_below=0, trained_ids=set()))
+        books = elastic.Ledger(store, None, SimpleNamespace(trained_below=0, trained_ids=set()))
 
         def keep_books():
             while not stop.is_set():

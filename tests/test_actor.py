@@ -1026,7 +1026,7 @@ def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
     store.set(f"redo/{cut}", "")
     store.set(f"redo/{cut}/taken", "0 trainer")
     store.add("actor/incarnations", 2)
-    books = elastic.Ledger(store, 1, None)
+    books = elastic.Ledger(store, None, None)
     books.cut = cut
     actors = {}
     for inc in (1, 2):
@@ -1047,7 +1047,7 @@ def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
     assert store.get(f"budget/{cut}/started") == b"16 1:8 2:8"  # the refused ones never counted
     # version 3 trained on incarnation 1's 8; incarnation 2's first group (20) is with the verifier, its
     # second (21) is slow: in flight at version 3
-    books.settle([(0, 1, s) for s in range(8)])
+    books.settle([1] * 8)
     books.publish(4, {1, 2})
     for gid in (10, 11, 20):
         actors[gid // 10].st.groups[gid].left = 0  # pushed

@@ -103,7 +103,7 @@ def test_group_ids_are_fenced_at_a_cut_and_the_untrained_ones_listed_again():
     taken = [elastic.take_group_id(store, old) for _ in range(6)]
     assert taken == [0, 1, 2, 3, 4, 5]
     state = SimpleNamespace(trained_below=0, trained_ids={0, 1, 3})  # the checkpoint: 0, 1, 3 trained
-    books = elastic.Ledger(store, 1, state)
+    books = elastic.Ledger(store, None, state)
     books.start_cut(2, elastic.fence(store, 2, floor=4))
     assert elastic.take_group_id(store, old) is None  # the old cut's actor is fenced out
     new = actor_state(store, 2, 2)
@@ -118,7 +118,7 @@ def test_a_lost_incarnations_ids_are_generated_again_each_once():
     store = new_store()
     elastic.fence(store, 1)
     state = SimpleNamespace(trained_below=0, trained_ids=set())
-    books = elastic.Ledger(store, 1, state)
+    books = elastic.Ledger(store, None, state)
     books.start_cut(1, 0)
     store.add("actor/incarnations", 3)
     a, b, c = (actor_state(store, inc, 1) for inc in (1, 2, 3))
@@ -167,7 +167,7 @@ def test_an_id_taken_by_an_actor_killed_before_recording_it_is_generated_again(t
     store = new_store()
     elastic.fence(store, 1)
     state = SimpleNamespace(trained_below=0, trained_ids=set())
-    books = elastic.Ledger(store, 1, state)
+    books = elastic.Ledger(store, None, state)
     books.start_cut(1, 0)
     books.redo([7], "a lost incarnation of before")
     store.add("actor/incarnations", 2)
@@ -266,10 +266,11 @@ def test_a_later_group_is_seen_when_the_one_before_has_no_key():
 SHARE = 2
 
 
-def _sample(i, inc, cut):
+def _sample(i, inc, cut, order):
     header = {"group_id": 100 * cut + i // 2, "sample_idx": i % 2, "group_size": 2, "task": "arithmetic",
               "answer": "3", "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "inc": inc, "cut": cut,
-              "eval": False, "reward": 1.0, "status": "correct", "advantage": 0.5, "seq": i}
+              "eval": False, "reward": 1.0, "status": "correct", "advantage": 0.5, "seq": i,
+              "verifier": 1, "order": order}
     arrays = {"prompt_ids": np.array([1, 2], np.int32), "completion_ids": np.array([3, 4], np.int32),
               "logprobs": np.full(2, -1.0, np.float32), "versions": np.zeros(2, np.int32)}
     return common.encode(header, arrays)
@@ -288,7 +289,8 @@ def _rank(rank, world, port, tmp, store_port, samples_port):
     store.set(f"test/connected/{rank}", "1")
     # rank 1's own (stale) view would take the old cut's backlog and the lost incarnation: it is not asked
     view = (lambda: ({1}, 2)) if rank == 0 else (lambda: ({1, 9}, 1))
-    batch, _ = trainer.take_batch(sock, [], SHARE, SHARE, state, cfg, "addr", 64, view, lambda: None)
+    batch, _ = trainer.take_batch(sock, [], 2 * SHARE, 2 * SHARE, state, cfg, "addr", 64, view,
+                                  lambda: None)
     store.set(f"test/batch/{rank}", ",".join(f"{s['inc']}:{s['cut']}" for s in batch))
     store.set(f"test/discarded/{rank}", str(state.discarded))
     sock.close(linger=0)
@@ -316,8 +318,8 @@ def test_every_trainer_rank_filters_its_batch_by_rank_0s_view(tmp_path):
         time.sleep(0.05)
     time.sleep(0.5)  # both pipes up: ZeroMQ deals to both
     # an old cut's backlog and a lost incarnation's samples first, then the current cut's
-    frames = [_sample(i, 1, 1) for i in range(4)] + [_sample(i, 9, 2) for i in range(4)]
-    frames += [_sample(i, 1, 2) for i in range(8)]
+    frames = [_sample(i, 1, 1, i) for i in range(4)] + [_sample(i, 9, 2, 4 + i) for i in range(4)]
+    frames += [_sample(i, 1, 2, 8 + i) for i in range(8)]
     for f in frames:
         while time.time() < deadline:
             try:

@@ -142,7 +142,7 @@ def test_wire_roundtrip_over_zmq():
     push.connect(f"tcp://127.0.0.1:{port}")
     h, a = _rollout()
     send(push, h, a)
-    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5, "seq": 0}
+    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5, "seq": 0, "verifier": 1, "order": 0}
     send(push, sample, a)
     h2, a2 = recv(pull, "rollout")
     h3, a3 = recv(pull, "sample")
@@ -184,7 +184,7 @@ def test_wire_malformed_raises_wire_error_only():
             pytest.fail(name)
     with pytest.raises(WireError, match="missing field 'reward'"):
         common.decode(good, "sample")
-    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5, "seq": 0}
+    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5, "seq": 0, "verifier": 1, "order": 0}
     for bad in ({"advantage": float("nan")}, {"advantage": float("inf")}, {"reward": float("-inf")}):
         with pytest.raises(WireError, match="finite"):  # a non-finite advantage never reaches the loss
             common.decode(common.encode({**sample, **bad}, a), "sample")

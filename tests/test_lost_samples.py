@@ -1,11 +1,13 @@
-"""Samples lost between the verifier and the trainer ranks go back to their actors' budgets (issue 30, item 5).
+"""Samples lost between the verifier and the trainer ranks: no group is trained in part, and what is lost goes
+back to its actor's budget.
 
-The verifier's side (verifier.State and complete, which number each actor process's samples) runs in this
-process with a real ZMQ PUSH socket; two trainer ranks run trainer.take_batch and trainer.settle in
-processes of their own over a real gloo group; the store is a real TCPStore. Rank 1 drops its connection for
-real: it closes its PULL socket while ZMQ holds samples queued for it, then connects a new one. What never
-arrived must be given back exactly, each to its own actor incarnation (store keys dropped/<inc>/<cut>), nothing that
-arrived may be, and a restarted trainer must not give back what was sent before it started.
+The verifier's side (verifier.State and complete, which number each actor incarnation's samples) runs in this
+process with a real ZMQ PUSH socket; two trainer ranks run trainer.take_batch and trainer.settle in processes of
+their own over a real gloo group; the store is a real TCPStore. Rank 1 drops its connection for real: it closes
+its PULL socket while ZMQ holds samples queued for it, then connects a new one. Every group trained must be
+trained whole, in one step; a group a sample of which never arrives must be dropped whole and given back, and a
+group none of whose samples arrives given back, each to its own actor incarnation (store keys dropped/<inc>/<cut>),
+exactly when every rank has received a later sample of that incarnation (elastic.whole_groups).
 
 Run: .venv/bin/python -m pytest -q tests/test_lost_samples.py      (~20-40 s on 2 busy cores)
 """
@@ -33,7 +35,8 @@ import verifier  # noqa: E402
 import weights_sync  # noqa: E402
 from conftest import forkserver, free_port  # noqa: E402
 
-SHARE = 4  # samples a rank pulls per step
+SHARE = 4  # samples a rank trains a step, on average
+G = 2  # group size
 PROCS = 3  # actor incarnations the groups come from: 1, 2, 3
 CUT = 1  # every sample's cut, and the trainer's (trainer.take_batch)
 VOCAB = 64
@@ -41,22 +44,32 @@ VOCAB = 64
 
 def make_cfg(tmp, store_port, samples_port):
     over = {"run.dir": tmp, "sync.port": store_port, "ports.samples": samples_port, "run.peer_timeout_s": 60,
-            "actor.group_size": 2, "trainer.nproc": 2, "trainer.batch_size": 2 * SHARE}
+            "actor.group_size": G, "trainer.nproc": 2, "trainer.batch_size": 2 * SHARE}
     return common.load_config([f"{k}={v}" for k, v in over.items()])
 
 
-def _pull_socket(addr):
-    sock = zmq.Context.instance().socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(addr)
-    return sock
+class Recorded:
+    """A real PULL socket that also notes (inc, group_id, sample_idx, seq) of every sample it hands out."""
+
+    def __init__(self, addr, arrived):
+        self.sock, self.arrived = zmq.Context.instance().socket(zmq.PULL), arrived
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(addr)
+
+    def poll(self, *args):
+        return self.sock.poll(*args)
+
+    def recv_multipart(self):
+        frames = self.sock.recv_multipart()
+        h = common.decode(frames, "sample")[0]
+        self.arrived.append([h["inc"], h["group_id"], h["sample_idx"], h["seq"]])
+        return frames
 
 
 def _rank(rank, world, port, tmp, store_port, samples_port, run, steps, drop_rank):
-    """One trainer rank: `steps` steps of take_batch + settle (as trainer.main: settle after each step);
-    rank `drop_rank` closes its socket with samples queued after its first pull and connects a new one. Then
-    one more pull that is never settled (a trainer stopped between a pull and its settle). Reports to the store
-    (test/received/<run>/<rank>) the (inc, seq) pairs it received, settled and not."""
+    """One trainer rank: `steps` steps of take_batch + settle (as trainer.main); rank `drop_rank` closes its
+    socket with samples queued after its first step and connects a new one. Reports to the store
+    (test/received/<run>/<rank>) what arrived and each step's batch."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
@@ -64,25 +77,24 @@ def _rank(rank, world, port, tmp, store_port, samples_port, run, steps, drop_ran
     store = weights_sync.create_store("127.0.0.1", store_port, False, 60)
     state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=torch.device("cpu")))
     addr = common.zmq_addr("127.0.0.1", samples_port)
-    sock = _pull_socket(addr)
+    report = {"arrived": [], "batches": [], "queued_at_drop": False}
+    sock = Recorded(addr, report["arrived"])
     store.add(f"test/connected/{run}", 1)
-    report = {"settled": [], "unsettled": [], "queued_at_drop": False}
-    books = elastic.Ledger(store, world, state) if rank == 0 else None
+    books = elastic.Ledger(store, Path(tmp), state) if rank == 0 else None
     if books is not None:
         books.cut = CUT
     pending = []
-    for step in range(steps + 1):
-        samples, _ = trainer.take_batch(sock, pending, SHARE, SHARE, state, cfg, addr, VOCAB,
-                                        lambda: (set(range(1, PROCS + 1)), CUT), lambda: None)
-        report["settled" if step < steps else "unsettled"] += [[s["inc"], s["seq"]] for s in samples]
+    for step in range(steps):
+        samples, _ = trainer.take_batch(sock, pending, 2 * SHARE, 2 * SHARE, state, cfg, addr, VOCAB,
+                                        lambda: (set(range(1, PROCS + 1)), CUT), lambda: None, books)
+        report["batches"].append([[s["inc"], s["group_id"], s["sample_idx"]] for s in samples])
         if rank == drop_rank and step == 0:
             report["queued_at_drop"] = sock.poll(30_000) != 0  # more samples wait here: they go with the socket
-            sock.close(linger=0)
-            sock = _pull_socket(addr)
-        if step < steps:
-            trainer.settle(state, samples, books)
+            sock.sock.close(linger=0)
+            sock = Recorded(addr, report["arrived"])
+        trainer.settle(state, samples, books)
     store.set(f"test/received/{run}/{rank}", json.dumps(report))
-    sock.close()
+    sock.sock.close()
     dist.destroy_process_group()
 
 
@@ -98,7 +110,7 @@ def _group(state, group_id, inc):
         arrays = {"prompt_ids": np.array([1, 2], np.int32), "completion_ids": np.array([3, 4, 5], np.int32),
                   "logprobs": np.full(3, -4.0, np.float32), "versions": np.zeros(3, np.int32)}
         scored[i] = (header, arrays)
-    state.open[key] = {"size": 2, "t0": 0.0, "stream": (inc, CUT), "seen": {0, 1}, "scored": scored}
+    state.open[key] = {"size": G, "t0": 0.0, "stream": (inc, CUT), "seen": {0, 1}, "scored": scored}
     verifier.complete(state, key)
 
 
@@ -126,69 +138,85 @@ def _run_trainer(vs, push, store, tmp, samples_port, run, steps, drop_rank, grou
     return {r: json.loads(store.get(f"test/received/{run}/{r}")) for r in range(2)}
 
 
-def _settled_view(got):
-    """Per actor incarnation, what the trainer's books (elastic.Ledger.settle) saw: the seqs received in settled steps, and the
-    watermark (the lowest of the two ranks' highest settled seq of that process)."""
-    received, top = collections.defaultdict(set), collections.defaultdict(lambda: [-1, -1])
-    for r in range(2):
-        for proc, seq in got[r]["settled"]:
-            received[proc].add(seq)
-            top[proc][r] = max(top[proc][r], seq)
-    return received, {proc: min(t) for proc, t in top.items()}
-
-
-def test_samples_lost_with_a_dropped_connection_are_given_back(tmp_path):
+def test_a_group_with_a_sample_lost_is_never_trained_and_goes_back_whole(tmp_path):
+    """Rank 1's connection drops with samples queued for it. Before, the rest of such a group was trained in
+    part (and a group split over two steps could be cut by a checkpoint); now no group is trained in part, the
+    ones judged lost are exactly those past every rank's watermark, and each goes back whole, once."""
     store = weights_sync.create_store("127.0.0.1", 0, True, 60)  # trainer rank 0's, in the test: it outlives runs
     samples_port = free_port()
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.bind(common.zmq_addr("127.0.0.1", samples_port))
     vs = verifier.State(make_cfg(tmp_path, store.port, samples_port), store)
-    groups = itertools.count()
-    dropped = lambda: [int(store.add(f"dropped/{p}/{CUT}", 0)) for p in range(1, PROCS + 1)]  # noqa: E731
     try:
-        # --- run 1: rank 1's connection drops with samples queued for it ---
-        got = _run_trainer(vs, push, store, tmp_path, samples_port, 1, steps=6, drop_rank=1, groups=groups)
-        assert got[1]["queued_at_drop"], "nothing was queued for rank 1 when it closed its socket"
-        arrived = {tuple(x) for r in range(2) for key in ("settled", "unsettled") for x in got[r][key]}
-        received, watermark = _settled_view(got)
-        # never arrived, and judged: below the process's watermark, from its first seq received
-        lost = {proc: set(range(min(seqs), watermark[proc])) - seqs for proc, seqs in received.items()}
-        assert sum(map(len, lost.values())), f"no sample was lost: {sorted(arrived)}"
-        assert not [(p, s) for p, seqs in lost.items() for s in seqs if (p, s) in arrived]  # FIFO: truly lost
-        # exactly the lost ones went back, each to its own actor process; nothing that arrived did
-        assert dropped() == [len(lost.get(p, ())) for p in range(1, PROCS + 1)], (lost, dropped())
-
-        # --- run 2: a restarted trainer (new ranks, new group) judges only from its first sample of each
-        # process: what was sent before it (including what run 1 pulled last and never settled, and what was
-        # still queued for run 1's ranks when they exited) is not given back ---
-        after_run1 = dropped()
-        assert any(got[r]["unsettled"] for r in range(2))
-        got = _run_trainer(vs, push, store, tmp_path, samples_port, 2, steps=3, drop_rank=-1, groups=groups)
-        received2, watermark2 = _settled_view(got)
-        assert all(watermark2[p] > watermark[p] for p in received)  # run 2 settled past run 1's samples ...
-        assert dropped() == after_run1  # ... and gave none back
+        got = _run_trainer(vs, push, store, tmp_path, samples_port, 1, steps=8, drop_rank=1,
+                           groups=itertools.count())
     finally:
         push.close()
+    assert got[1]["queued_at_drop"], "nothing was queued for rank 1 when it closed its socket"
+    # every group trained is trained whole, in one step
+    steps_of, trained = collections.defaultdict(set), collections.defaultdict(list)
+    for r in range(2):
+        for step, batch in enumerate(got[r]["batches"]):
+            for inc, gid, idx in batch:
+                steps_of[inc, gid].add(step)
+                trained[inc, gid].append(idx)
+    assert all(sorted(idx) == list(range(G)) for idx in trained.values()), trained
+    assert all(len(s) == 1 for s in steps_of.values()), steps_of
+    assert all(sum(map(len, got[r]["batches"])) for r in range(2))  # both ranks trained
+    # what arrived, and the watermark the ranks judged by at last: per incarnation, the lowest of the ranks'
+    # highest seq received
+    arrived, top = collections.defaultdict(set), collections.defaultdict(lambda: [-1, -1])
+    blocks = collections.defaultdict(set)
+    for r in range(2):
+        for inc, gid, idx, seq in got[r]["arrived"]:
+            arrived[inc, gid].add(idx)
+            top[inc][r] = max(top[inc][r], seq)
+            blocks[inc].add(seq // G)
+    watermark = {inc: min(t) for inc, t in top.items()}
+    seq_of = {(inc, gid): seq for r in range(2) for inc, gid, _, seq in got[r]["arrived"]}
+    judged = {key for key, idx in arrived.items()
+              if len(idx) < G and (seq_of[key] // G + 1) * G <= watermark[key[0]]}
+    records = [json.loads(line) for line in (tmp_path / "groups_dropped.jsonl").read_text().splitlines()] \
+        if (tmp_path / "groups_dropped.jsonl").exists() else []
+    dropped = {(d["inc"], d["group_id"]) for d in records}
+    assert judged, f"no sample was lost: {got[1]['arrived']}"
+    assert dropped == judged and all(d["reason"] == "lost on the way" for d in records)
+    assert not dropped & set(trained)
+    # given back: G for each group dropped, and G for each block below the watermark nothing of which arrived
+    for inc in range(1, PROCS + 1):
+        whole_lost = sum(b not in blocks[inc] for b in range(watermark.get(inc, -1) // G + 1)
+                         if (b + 1) * G <= watermark.get(inc, -1))
+        mine = sum(key[0] == inc for key in dropped)
+        assert int(store.add(f"dropped/{inc}/{CUT}", 0)) == G * (mine + whole_lost), (inc, mine, whole_lost)
 
 
-def test_settle_judges_each_process_from_its_first_seq_received(tmp_path):
-    """elastic.Ledger.settle on one rank, by hand: each actor process's samples are
-    judged from the first seq received of that process (an earlier trainer's are not this one's to judge),
-    each later time from the last watermark; a gap is given back once, to its own process."""
+def _held(inc, gid, idx, seq, order, verifier=1):
+    return {"inc": inc, "group_id": gid, "sample_idx": idx, "seq": seq, "verifier": verifier, "order": order}
+
+
+def test_whole_groups_and_the_books_by_hand(tmp_path):
+    """elastic.whole_groups and Ledger.held on two ranks' tables, by hand: whole groups go in the verifier's
+    order; a group is judged lost only once every rank has received a later seq of its incarnation, and then
+    dropped whole (recorded) and given back once; a block of seqs nothing of which arrived is given back; no
+    judgment while the cut's verifier has been replaced."""
     store = weights_sync.create_store("127.0.0.1", 0, True, 60)
-    books = elastic.Ledger(store, 1, None)
+    books = elastic.Ledger(store, tmp_path, None)
     books.cut = CUT
-    dropped = lambda: [int(store.add(f"dropped/{p}/{CUT}", 0)) for p in range(PROCS)]  # noqa: E731
-
-    def settle(*pairs):
-        books.settle([(0, p, s) for p, s in pairs])
-    settle((0, 10), (0, 12), (0, 13), (1, 5))  # 0-9 of process 0, 0-4 of process 1: sent before this trainer
-    assert dropped() == [1, 0, 0]  # process 0's 11
-    settle((0, 16), (1, 8), (0, 17))
-    assert dropped() == [3, 2, 0]  # 14, 15 of process 0; 6, 7 of process 1
-    settle((0, 18), (2, 40))
-    assert dropped() == [3, 2, 0]  # nothing twice; process 2's first sample: nothing before it judged
+    rank0 = [_held(2, 20, 0, 0, 0), _held(2, 20, 1, 1, 1), _held(1, 10, 0, 2, 4), _held(1, 11, 0, 4, 6)]
+    rank1 = [_held(1, 10, 1, 3, 5), _held(1, 12, 1, 7, 9)]
+    tables = [elastic.group_table(rank0, {1: 6, 2: 1}, {1, 2}), elastic.group_table(rank1, {1: 7}, {1, 2})]
+    whole, lost, held, watermark = elastic.whole_groups(tables, G, judge=True)
+    assert whole == [(2, 20), (1, 10)]  # the order the verifier sent them
+    # group 11 (seqs 4, 5) is past: both ranks hold a seq of incarnation 1 above 5; group 12 (6, 7) is not;
+    # incarnation 2: rank 1 has none of its samples yet, nothing is judged
+    assert lost == [(1, 11)] and watermark == {1: 6, 2: -1}
+    books.held(held, watermark, lost, G)
+    assert int(store.add(f"dropped/1/{CUT}", 0)) == 2 + 2  # group 11, and block 0 (seqs 0, 1): never arrived
+    assert [json.loads(x)["group_id"] for x in (tmp_path / "groups_dropped.jsonl").read_text().splitlines()] == [11]
+    books.held(held, watermark, [], G)  # the next look: the same watermark gives nothing back twice
+    assert int(store.add(f"dropped/1/{CUT}", 0)) == 4 and int(store.add(f"dropped/2/{CUT}", 0)) == 0
+    assert elastic.whole_groups(tables, G, judge=False)[1:4:2] == ([], {})
 
 
 def test_a_restarted_verifiers_numbering_is_not_judged_against_the_old_ones(tmp_path):
@@ -198,12 +226,19 @@ def test_a_restarted_verifiers_numbering_is_not_judged_against_the_old_ones(tmp_
     past max_lag until the cut. The new verifier registers before it sends any sample: once its
     incarnation is in the store, the books judge nothing until the cut starts them afresh."""
     store = weights_sync.create_store("127.0.0.1", 0, True, 60)
-    books = elastic.Ledger(store, 1, SimpleNamespace(trained_below=0, trained_ids=set()))
+    books = elastic.Ledger(store, tmp_path, SimpleNamespace(trained_below=0, trained_ids=set()))
     old = elastic.register_verifier(store)
     books.start_cut(CUT, 0, verifier=old)
-    dropped = lambda: int(store.add(f"dropped/0/{CUT}", 0))  # noqa: E731
-    books.settle([(0, 0, s) for s in range(10)])
-    assert dropped() == 0
-    elastic.register_verifier(store)  # the new verifier, then its samples 0..3
-    books.settle([(0, 0, s) for s in range(4)])
-    assert dropped() == 0
+    assert books.judging()
+    elastic.register_verifier(store)  # the new verifier, then its samples 0..3 of incarnation 1
+    rank0 = [_held(1, 50, 0, 0, 0), _held(1, 51, 0, 2, 2)]
+    rank1 = [_held(1, 50, 1, 1, 1), _held(1, 52, 1, 3, 3)]
+    highest = {1: 40}  # the old verifier's samples reached seq 40 on both ranks
+    tables = [elastic.group_table(rank0, highest, {1}), elastic.group_table(rank1, highest, {1})]
+    whole, lost, held, watermark = elastic.whole_groups(tables, G, books.judging())
+    assert whole == [(1, 50)] and lost == [] and watermark == {}
+    # the new verifier counts its samples from 0 too: they were sent after every one of the old verifier's
+    late = [_held(1, 60, i, 30 + i, 90 + i) for i in range(G)] + [_held(1, 61, i, i, i, verifier=2) for i in range(G)]
+    assert elastic.whole_groups([elastic.group_table(late, highest, {1})], G, False)[0] == [(1, 60), (1, 61)]
+    books.held(held, watermark, lost, G)
+    assert int(store.add(f"dropped/1/{CUT}", 0)) == 0
