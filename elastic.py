@@ -348,73 +348,73 @@ def dropped_ids(store) -> set:
     return set(_ids(store.get("groups/dropped"))) if store.check(["groups/dropped"]) else set()
 
 
-def group_table(pending: list, highest: dict, members) -> list:
+def group_table(pending: list, highest: dict, size: int) -> list:
     """This rank's part of the groups it holds, for `whole_groups` (one list of ints, gathered from
-    every rank): the number of groups; per group [order, inc, group_id, samples here, seq] (the
-    earliest sent of its samples here: verifier incarnation, then its order; any seq of them);
-    then per stream of a member [inc, the highest seq received] (`highest`: inc -> seq, this
-    cut's)."""
+    every rank): the number of groups; per group [verifier, first, inc, group_id, samples here,
+    block] (`first`: the verifier's order of the group's first sample; `block`: its seq // size);
+    then per verifier incarnation [verifier, the highest order received] (`highest`)."""
     groups = {}
     for s in pending:
-        key, sent = (int(s["inc"]), int(s["group_id"])), int(s["verifier"]) << 32 | int(s["order"])
-        order, n, seq = groups.get(key, (sent, 0, int(s["seq"])))
-        groups[key] = (min(order, sent), n + 1, seq)
+        first = int(s["order"]) - int(s["seq"]) % size  # a group's seqs and orders are consecutive
+        g = groups.setdefault((int(s["inc"]), int(s["group_id"])),
+                              [int(s["verifier"]), first, 0, int(s["seq"]) // size])
+        g[2] += 1
     flat = [len(groups)]
-    for (inc, gid), (order, n, seq) in groups.items():
-        flat += [order, inc, gid, n, seq]
-    for inc, top in highest.items():
-        flat += [inc, top] if inc in members else []
+    for (inc, gid), (verifier, first, n, block) in groups.items():
+        flat += [verifier, first, inc, gid, n, block]
+    for verifier, top in highest.items():
+        flat += [verifier, top]
     return flat
 
 
-def whole_groups(tables: list, size: int, judge: bool) -> tuple:
+def whole_groups(tables: list, size: int) -> tuple:
     """Every rank alike, from every rank's `group_table`: which groups the ranks hold whole, and
     which never will be. -> (whole: [(inc, group_id)] in the order the verifier sent them; lost:
-    [(inc, group_id)]; held: (inc, group_id) -> [order, samples, seq]; watermark: inc -> the
-    lowest over the ranks of the highest seq received).
+    [(inc, group_id)]; held: (inc, group_id) -> [verifier, first, samples, block]; watermark:
+    verifier -> the lowest over the ranks of the highest order received).
 
     A group is trained whole, in one step, or not at all, so a sample lost on the way (a rank's
     connection dropped, a malformed message) cannot leave the rest of its group trained, and
-    neither can a trainer's death between steps. The verifier numbers each stream (actor
-    incarnation, cut) in send order (`seq`); a group's samples are one block of `size`
-    consecutive seqs; a ZMQ pipe is first in, first out. So once every rank has received a seq of
-    the stream past a group's block, what has not arrived of it never will (`judge`: not while
-    the cut's verifier has been replaced, Ledger.judging)."""
+    neither can a trainer's death between steps. A verifier numbers the samples it sends
+    (`order`), a group's consecutively, and a ZMQ pipe is first in, first out: once every rank has
+    received a sample that verifier sent after a group's last, what has not arrived of the group
+    never will."""
     held, tops = {}, []
     for flat in tables:
-        n, rest = flat[0], flat[1 + 5 * flat[0]:]
+        n, rest = flat[0], flat[1 + 6 * flat[0]:]
         for k in range(n):
-            order, inc, gid, count, seq = flat[1 + 5 * k:6 + 5 * k]
-            g = held.setdefault((inc, gid), [order, 0, seq])
-            g[0], g[1] = min(g[0], order), g[1] + count
+            verifier, first, inc, gid, count, block = flat[1 + 6 * k:7 + 6 * k]
+            held.setdefault((inc, gid), [verifier, first, 0, block])[2] += count
         tops.append(dict(zip(rest[0::2], rest[1::2])))
-    watermark = {inc: min(t.get(inc, -1) for t in tops) for inc in set().union(*tops) if judge}
-    whole = [key for _, key in sorted((g[0], key) for key, g in held.items() if g[1] == size)]
-    lost = [key for key, (_, n, seq) in held.items()
-            if n < size and (seq // size + 1) * size <= watermark.get(key[0], -1)]
+    watermark = {v: min(t.get(v, -1) for t in tops) for v in set().union(*tops)}
+    whole = [key for _, key in sorted((g[:2], key) for key, g in held.items() if g[2] == size)]
+    lost = [key for key, (v, first, n, _) in held.items()
+            if n < size and first + size - 1 <= watermark.get(v, -1)]
     return whole, lost, held, watermark
 
 
 class Ledger:
     """Trainer rank 0's books of the current cut, and the one writer of its budget.
 
-    `consumed`: per incarnation, samples of the cut trained. `seen`, `judged`: per incarnation,
-    the blocks of its stream's seqs that some rank held, and the first block not yet judged (a
-    group's samples are one block of group_size consecutive seqs: `whole_groups`)."""
+    `consumed`: per incarnation, samples of the cut trained. `seen`, `judged`: per stream
+    (verifier incarnation, actor incarnation), the blocks of its seqs that some rank held, and the
+    first block not yet judged (a group's samples are one block of group_size consecutive seqs of
+    its stream: the verifier numbers each actor incarnation's samples of a cut, `seq`).
+    `recut`: a group was lost whole, its id unknown here: the next weight group is a cut, which
+    generates it again."""
 
     def __init__(self, store, run_dir, state):
         self.store, self.run_dir, self.state = store, run_dir, state
-        self.cut, self.published, self.last, self.verifier = None, None, 0.0, None
+        self.cut, self.published, self.last, self.recut = None, None, 0.0, False
         self.consumed, self.seen, self.judged = {}, {}, {}
         # lost incarnations of the cut -> the ids they took that were looked at (redo)
         self.lost = {}
 
-    def start_cut(self, cut: int, ids_below: int, verifier: int = None):
-        """A new cut (made with verifier incarnation `verifier`): the books start afresh; the ids
+    def start_cut(self, cut: int, ids_below: int):
+        """A new cut: the books start afresh; the ids
         below the fence that were neither trained nor dropped are listed to do again
         (redo/<cut>), then the budget goes out."""
         self.cut, self.consumed, self.seen, self.judged, self.lost = cut, {}, {}, {}, {}
-        self.verifier = verifier
         state = self.state
         self.store.set(f"budget/{cut}/started", "0")
         self.store.set(f"redo/{cut}/taken", "0 trainer")
@@ -439,8 +439,9 @@ class Ledger:
         if group.cut is None:
             return
         if group.cut != self.cut:
-            self.start_cut(group.cut, group.ids_below, group.verifier)
+            self.start_cut(group.cut, group.ids_below)
             force = True
+        group.recut, self.recut = group.recut or self.recut, False  # (a lost whole group: `held`)
         self.publish(version, set(group.members), force, set(group.cut_members))
 
     def settle(self, incs: list):
@@ -449,38 +450,37 @@ class Ledger:
         for inc in incs:
             self.consumed[inc] = self.consumed.get(inc, 0) + 1
 
-    def judging(self) -> bool:
-        """Whether losses may be judged: not while the cut's verifier has been replaced. A new one
-        numbers its samples from 0 again; they belong to the cut before the one its start causes
-        (it registers before it sends any), and that cut starts the books afresh."""
-        return self.verifier in (None, int(self.store.add("verifier/incarnations", 0)))
-
     def held(self, held: dict, watermark: dict, lost: list, size: int):
         """Rank 0, whenever the ranks' groups are counted (`whole_groups`): the `lost` groups (a
         sample of theirs never arrives) are dropped whole, recorded as the verifier records its
-        drops; a block of a stream below its watermark that no rank ever held was a group lost
-        whole: its samples are given back (its id is generated again at the next cut)."""
+        drops. A block of a stream that no rank held, below one whose first sample every rank has
+        passed, was a group lost whole: its samples are given back, and a cut generates its id
+        again (`recut`)."""
         for inc, gid in lost:
             record = {"group_id": gid, "inc": inc, "cut": self.cut, "size": size,
                       "reason": "lost on the way", "time": time.time()}
             with open(self.run_dir / "groups_dropped.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
-            drop(self.store, inc, self.cut, gid, size)
+            self.store.add(f"dropped/{inc}/{self.cut}", size)
+            self.store.append("groups/dropped", f"{gid},")
             print(f"[trainer] group {gid} of actor incarnation {inc}: a sample never arrived; "
                   "dropped and given back", flush=True)
-        for (inc, _), (_, _, seq) in held.items():
-            self.seen.setdefault(inc, set()).add(seq // size)
-        for inc, top in watermark.items():
-            seen, block, gone = self.seen.setdefault(inc, set()), self.judged.get(inc, 0), 0
-            while (block + 1) * size <= top:  # every rank holds a later seq of inc: judged
-                gone += block not in seen
-                seen.discard(block)
-                block += 1
-            self.judged[inc] = block
+        for (inc, _), (v, _, _, block) in held.items():
+            if block >= self.judged.get((v, inc), 0):
+                self.seen.setdefault((v, inc), set()).add(block)
+        for (inc, _), (v, first, _, block) in held.items():
+            seen, below, gone = self.seen.get((v, inc), set()), self.judged.get((v, inc), 0), 0
+            if first > watermark.get(v, -1) or block <= below:
+                continue
+            for b in range(below, block):  # every sample sent before this group is here or lost
+                gone += b not in seen
+                seen.discard(b)
+            self.judged[v, inc] = block
             if gone:
                 self.store.add(f"dropped/{inc}/{self.cut}", gone * size)
+                self.recut = True
                 print(f"[trainer] {gone} groups of actor incarnation {inc} never arrived: given "
-                      "back", flush=True)
+                      "back; a cut generates their ids again", flush=True)
 
     def publish(self, version: int, members, force: bool = True, in_cut=None):
         """budget/<cut> = "t consumed returned" for this version and membership; not `force`d, at
@@ -542,6 +542,7 @@ class Membership:
         self.cut_members = set()
         self.beats, self.lost = {}, set()  # inc -> (last beat value, when it changed here)
         self.verifier = None  # the verifier incarnation at the last cut
+        self.recut = False  # a cut is owed (Ledger.recut)
         # the watcher's latest look: live incarnations (None: not yet), the verifier's incarnation
         self.live, self.verifier_now = None, None
         self.wake, self.closed = threading.Event(), False
@@ -553,7 +554,7 @@ class Membership:
         trainer's first look comes before it has seen any beat change)."""
         if self.live is None:  # the watcher's first look is yet to come
             return False
-        restarted = self.verifier_now != self.verifier
+        restarted = self.verifier_now != self.verifier or self.recut
         changed = broken or set(self.live) != set(self.members) or restarted
         return changed and bool(self.live or self.members)
 
@@ -562,8 +563,9 @@ class Membership:
         group (None: no member). Members that do not meet in it within run.heartbeat_timeout_s
         are lost (the next one is formed without them)."""
         live, store, cfg = list(self.live), self.store, self.cfg
-        cut = self.cut is None or self.verifier_now != self.verifier
-        self.verifier = self.verifier_now  # a cut announced stays the cut if its group fails
+        cut = self.cut is None or self.verifier_now != self.verifier or self.recut
+        # a cut announced stays the cut if its group fails
+        self.verifier, self.recut = self.verifier_now, False
         old, self.pg = self.pg, None
         ws.abandon(old)  # a broadcast still waiting on the old group fails now
         per = cfg.actor.engines * cfg.actor.tp  # weight ranks of an actor

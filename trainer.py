@@ -403,7 +403,8 @@ class TrainState:
     discarded: int = 0
     alone_since: float = None  # when this rank saw the weight group without actors (take_batch)
     last_sample: float = 0.0  # when this rank last received a sample (pull_samples)
-    highest: dict = field(default_factory=dict)  # (inc, cut) -> the highest seq received
+    # verifier incarnation -> the highest order of its samples received (pull_samples)
+    highest: dict = field(default_factory=dict)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
     # this rank's timeline (main sets it; run.trace): a disabled one records nothing
     events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
@@ -714,16 +715,19 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
 
 # --- samples --------------------------------------------------------------------------------------
 
-def pull_samples(sock, pending, state, vocab_size, group_size, seconds: float) -> float:
-    """Wait up to `seconds` for a sample, then pull every one already here into `pending`.
-    -> seconds waited. A malformed sample (bad schema, non-finite numbers, ids outside the
-    vocabulary) is dropped and counted: its group is never whole (elastic.whole_groups)."""
-    t0 = time.time()
-    if not sock.poll(int(1000 * seconds)):
-        return time.time() - t0
-    waited = time.time() - t0
-    state.last_sample = time.time()
-    while sock.poll(0):
+def pull_samples(sock, pending, state, vocab_size, group_size, n, seconds: float) -> float:
+    """Wait up to `seconds` for a sample, then pull into `pending` until this rank holds n or
+    `seconds` have passed, and every sample already here. -> seconds waited. A malformed sample
+    (bad schema, non-finite numbers, ids outside the vocabulary) is dropped and counted: its group
+    is never whole (elastic.whole_groups)."""
+    waited, end, first = 0.0, time.time() + seconds, True
+    while True:
+        t0 = time.time()
+        wait = first or len(pending) < n
+        if not sock.poll(max(0, int(1000 * (end - t0))) if wait else 0):
+            return waited + time.time() - t0
+        waited, first = waited + time.time() - t0, False
+        state.last_sample = time.time()
         frames = sock.recv_multipart()
         try:
             header, arrays = common.decode(frames, "sample")
@@ -736,10 +740,9 @@ def pull_samples(sock, pending, state, vocab_size, group_size, seconds: float) -
             state.malformed += 1
             print(f"[trainer] rank {rank()}: dropped a malformed sample ({e})", flush=True)
             continue
-        stream = (header["inc"], header["cut"])
-        state.highest[stream] = max(state.highest.get(stream, -1), header["seq"])
+        v = header["verifier"]
+        state.highest[v] = max(state.highest.get(v, -1), header["order"])
         pending.append({**header, **arrays})
-    return waited
 
 def take_batch(sock, pending, want, size, state, cfg, addr, vocab_size, view, on_wait,
                books=None):
@@ -756,23 +759,22 @@ def take_batch(sock, pending, want, size, state, cfg, addr, vocab_size, view, on
     device, waited, since, gs = state.fsdp.device, 0.0, time.time(), cfg.actor.group_size
     seconds = 0.0  # what is here may do
     while True:
-        waited += pull_samples(sock, pending, state, vocab_size, gs, seconds)
+        waited += pull_samples(sock, pending, state, vocab_size, gs, want // world(), seconds)
         seconds = 0.2
         on_wait()
-        # sync: rank 0's view to every rank (cut + 1: 0 for none yet; then whether to judge losses)
+        # sync: rank 0's view to every rank (cut + 1: 0 for none yet)
         mine = []
         if is_main():
             who, cut = view()
-            mine = [0 if cut is None else cut + 1, int(books is None or books.judging()), *who]
+            mine = [0 if cut is None else cut + 1, *who]
         agreed = all_gather_ints(mine, device)[0] if world() > 1 else mine
-        cut, judge, who = agreed[0] - 1 if agreed[0] else None, agreed[1], set(agreed[2:])
+        cut, who = agreed[0] - 1 if agreed[0] else None, set(agreed[1:])
         kept = [s for s in pending if s["inc"] in who and s["cut"] == cut]
         state.discarded += len(pending) - len(kept)
         # sync: every rank's groups to every rank
-        mine = elastic.group_table(kept, {i: v for (i, c), v in state.highest.items() if c == cut},
-                                   who)
+        mine = elastic.group_table(kept, state.highest, gs)
         tables = all_gather_ints(mine, device) if world() > 1 else [mine]
-        whole, lost, held, watermark = elastic.whole_groups(tables, gs, bool(judge))
+        whole, lost, held, watermark = elastic.whole_groups(tables, gs)
         if is_main() and books is not None:
             books.held(held, watermark, lost, gs)
         gone = set(lost)

@@ -13,7 +13,7 @@ records, a restarted trainer's replacing the steps it redid):
   steps   steps 1..N each once on every trainer rank of its epoch (N = the largest); a finished run
           (trainer/done in metrics_trainer.jsonl) ends at its last step
   groups  every trained group has actor.group_size samples, sample_idx 0..group_size-1 once each
-          (where recorded; else the count), across ranks and steps
+          (where recorded; else the count), across ranks, all in one step
   ids     every group id below the largest trained one is trained or dropped by the verifier
           (groups_dropped.jsonl), no copy both (a dropped id may be generated again in a later
           cut, or by another incarnation once its dropper was lost): a cut generates the others
@@ -114,8 +114,13 @@ def trained_samples(records: list) -> dict:
     return samples
 
 
-def check_groups(samples: dict, group_size: int) -> tuple:
-    problems = []
+def check_groups(samples: dict, group_size: int, kept: list) -> tuple:
+    steps_of = defaultdict(set)
+    for r in kept:
+        for g in r["group_ids"]:
+            steps_of[g].add(r["step"])
+    problems = [f"group {g}: trained in steps {', '.join(map(str, sorted(steps_of[g])))} (want one)"
+                for g in sorted(steps_of) if len(steps_of[g]) > 1]
     for g in sorted(samples):
         got = samples[g]
         if None in got:
@@ -181,7 +186,7 @@ def check(run_dir) -> list:
     finished_at = metrics[-1]["step"] if metrics and "trainer/done" in metrics[-1] else None
     return [check_lag(kept, cfg["actor"]),
             check_steps(kept, finished_at),
-            check_groups(trained_samples(kept), cfg["actor"]["group_size"]),
+            check_groups(trained_samples(kept), cfg["actor"]["group_size"], kept),
             check_ids(run_dir, kept, records, cfg)]
 
 

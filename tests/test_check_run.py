@@ -125,6 +125,12 @@ def drop_sample(record, k):
         record[key].pop(k)
 
 
+def move_sample(record, k, to):
+    """Sample k of `record` trained in the step of record `to` instead."""
+    for key in ("group_ids", "sample_idx", "incs", "version_runs"):
+        to[key].append(record[key].pop(k))
+
+
 def drop_group(record, g):
     for k in reversed([k for k, x in enumerate(record["group_ids"]) if x == g]):
         drop_sample(record, k)
@@ -145,6 +151,8 @@ BROKEN = {
                        "group 4: sample_idx [0, 0, 2, 3] (want 0..3 once each)"),
     "a group in part": (lambda rs: drop_sample(rs[2], 1), {"groups"},
                         "group 4: sample_idx [0, 2, 3] (want 0..3 once each)"),
+    "a group over two steps": (lambda rs: move_sample(rs[2], 0, rs[3]), {"groups"},
+                               "group 4: trained in steps 3, 4 (want one)"),
     "an id skipped below the tail": (lambda rs: drop_group(rs[2], 5), {"ids"},
                                      "id 5 neither trained nor dropped"),
     # finished at step 12 by its metrics, the last step's samples record lost (its groups are

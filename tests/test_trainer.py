@@ -477,13 +477,13 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
 
 # --- main() against a fake verifier and a fake actor ---------------------------------------------------------------
 
-def _sample_frames(i, version, vocab=64, bad=False, advantage=None, inc=1, cut=1):
+def _sample_frames(i, version, vocab=64, bad=False, advantage=None, inc=1, cut=1, seq0=0):
     rng = np.random.default_rng(i)
     P, C = int(rng.integers(1, 6)), int(rng.integers(1, 10))
     header = {"group_id": i // 2, "sample_idx": i % 2, "group_size": 2, "task": "arithmetic", "answer": "3",
               "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "inc": inc, "cut": cut, "eval": False,
               "reward": float(i % 2), "status": "correct",
-              "advantage": float(i % 2) - 0.5 if advantage is None else advantage, "seq": i,
+              "advantage": float(i % 2) - 0.5 if advantage is None else advantage, "seq": i - seq0,
               "verifier": 1, "order": i}
     arrays = {"prompt_ids": rng.integers(0, vocab, P).astype(np.int32),
               "completion_ids": rng.integers(0, vocab, C).astype(np.int32),
@@ -522,10 +522,12 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
     def verifier(stop, actor):
         while actor.cut is None and not stop.is_set():  # samples come from a member of the group
             time.sleep(0.05)
+        seq0 = sent["n"]  # a verifier numbers each incarnation's samples of a cut from 0
         while not stop.is_set():
             try:  # non-blocking: a trainer that exits between poll and send would block a plain send forever
                 n = sent["n"]  # one of another incarnation, one of an older cut: discarded
-                frames = _sample_frames(n, 0, bad=n == 3, inc=actor.inc + (n == 5), cut=actor.cut - (n == 6))
+                frames = _sample_frames(n, 0, bad=n == 3, inc=actor.inc + (n == 5), cut=actor.cut - (n == 6),
+                                        seq0=seq0)
                 push.send_multipart(frames, flags=zmq.NOBLOCK)
                 sent["n"] += 1
             except zmq.Again:
@@ -559,7 +561,12 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
     lost = sorted((d["group_id"], d["reason"]) for d in read_jsonl(tmp_path / "groups_dropped.jsonl"))
     assert lost == [(g, "lost on the way") for g in (1, 2, 3)], lost
     rows = read_jsonl(tmp_path / "samples_trainer.jsonl")
-    assert [r["trainer_version"] for r in rows] == [0, 1, 2] and len(rows[0]["group_ids"]) == 2  # rank 0's share
+    rows1 = read_jsonl(tmp_path / "samples_trainer.rank1.jsonl")
+    assert [r["trainer_version"] for r in rows] == [0, 1, 2] == [r["trainer_version"] for r in rows1]
+    # whole groups, each in one step, on whichever rank holds each sample
+    assert [len(r["group_ids"]) + len(r1["group_ids"]) for r, r1 in zip(rows, rows1)] == [4, 4, 4]
+    assert all(sorted(r["group_ids"] + r1["group_ids"])[::2] == sorted(r["group_ids"] + r1["group_ids"])[1::2]
+               for r, r1 in zip(rows, rows1))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-3"]
     state = json.loads((tmp_path / "checkpoints/step-3/trainer_state.json").read_text())
     untrained = [g for g in range(state["trained_below"], state["max_group_id"] + 1)
