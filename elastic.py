@@ -524,11 +524,12 @@ class Membership:
     holds its members (incarnation -> first rank), the latest cut, the trainer's epoch and
     version, and the incarnations counted lost; "group <g>" is announced before its versions. The
     old group is given up, which fails a receive still waiting on it at once.
-    Cuts: this trainer's first group, and the first after the verifier restarted, is a cut: the
-    actors give up what they have in flight and start their accounting afresh, and the trainer
-    never trains a sample of a group started before it (a restarted trainer's versions may come
-    from a timeline it never had; a restarted verifier lost what it held). `members` and `cut`
-    change before the group is announced."""
+    Cuts: this trainer's first group, the first after the verifier restarted, and the first after
+    a group was lost whole on the way (`recut`, Ledger.held) is a cut: the actors give up what
+    they have in flight and start their accounting afresh, and the trainer never trains a sample
+    of a group started before it (a restarted trainer's versions may come from a timeline it
+    never had; a restarted verifier lost what it held; the lost group's id is generated again).
+    `members` and `cut` change before the group is announced."""
 
     def __init__(self, cfg, epoch: int, on_cut=lambda store, g: 0):
         self.cfg, self.epoch = cfg, epoch

@@ -393,3 +393,34 @@ def test_a_wait_ends_when_the_store_goes_away():
                                                      asyncio.sleep(0.1, "done"))) == "done"
     finally:
         server.kill()
+
+
+# --- a group lost whole: a cut generates its id again ------------------------------------------------------
+
+def test_a_group_lost_whole_makes_the_next_weight_group_a_cut(tmp_path):
+    """No sample of a group reached any trainer rank: the trainer gives its samples back but does not know its
+    id (elastic.Ledger.held). The books owe a cut, and the next group the Membership forms is one: its redo list
+    holds every id below the fence that was neither trained nor dropped, that one included."""
+    store = new_store()
+    cfg = common.load_config([f"run.dir={tmp_path}", f"sync.port={store.port}"])
+    group = elastic.Membership(cfg, epoch=1, on_cut=lambda s, g: elastic.fence(s, g, 0))
+    deadline = time.time() + 10
+    while group.live is None and time.time() < deadline:  # the watcher's first look
+        time.sleep(0.05)
+    books = elastic.Ledger(store, tmp_path, SimpleNamespace(trained_below=0, trained_ids=set()))
+    group.form(0)
+    first = group.cut
+    books.follow(group, 0)
+    group.form(0)
+    assert group.cut == first  # a new group, not a cut
+    # the verifier sent group 9 (seqs 0, 1, orders 0, 1), then group 10 (seqs 2, 3); only 10 arrived
+    tables = [elastic.group_table([{"inc": 1, "group_id": 10, "sample_idx": i, "seq": 2 + i, "verifier": 1,
+                                    "order": 2 + i} for i in range(2)], {1: 3}, 2)]
+    whole, lost, held, watermark = elastic.whole_groups(tables, 2)
+    books.held(held, watermark, lost, 2)
+    assert int(store.add(f"dropped/1/{first}", 0)) == 2
+    books.follow(group, 1)
+    assert group.recut
+    group.form(1)
+    assert group.cut != first and not group.recut
+    group.closed = True
