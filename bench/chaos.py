@@ -235,10 +235,14 @@ def main(argv=None):
     try:
         if not wait_steps_after(run_dir, 0, 10, 600, nodes):
             raise SystemExit(f"chaos: the run did not reach step 10: see {logs[0]}")
-        for i, (kind, gap) in enumerate(kills):
+        def near_end(i) -> bool:  # no kill within the run's last 20 steps (or after it)
             steps = steps_times(run_dir)
             if steps and steps[-1][1] > cfg["trainer.max_steps"] - 20:
                 print(f"chaos: kill {i + 1}: too close to the end, stopping the kills", flush=True)
+                return True
+            return False
+        for i, (kind, gap) in enumerate(kills):
+            if near_end(i):
                 break
             if not wait_steps_after(run_dir, time.time(), gap, 600, nodes):
                 break
@@ -254,6 +258,8 @@ def main(argv=None):
                 deadline = time.time() + 300
                 while {p.name for p in ckpts.glob("step-*")} <= seen and time.time() < deadline:
                     time.sleep(0.05)
+            if near_end(i):  # the waits above may have taken the rest of the run
+                break
             t_kill = time.time()
             if kind in ("actor", "verifier", "trainer", "checkpoint"):
                 what = [kill("trainer" if kind == "checkpoint" else kind, rng)]

@@ -85,7 +85,9 @@ def main(argv=None):
         print(f"actor exited with status {status}, {end - kill:.1f} s after the store's kill "
               f"({end - marks['up']:.1f} s after its engine was up)" if "up" in marks else
               f"actor exited with status {status}, {end - kill:.1f} s after the store's kill")
-    print("its last lines:\n  " + "\n  ".join(l for l in lines[-3:] if l))
+    named = [line for line in lines if "lost the run's store" in line]
+    print(f"its line naming the store: {named[0] if named else 'none'}")
+    print("its last lines:\n  " + "\n  ".join(line for line in lines[-3:] if line))
     return 0 if status == 3 else 1
 
 
