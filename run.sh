@@ -168,7 +168,8 @@ fi
 MAIN=trainer; [[ -z "${PIDS[trainer]:-}" ]] && MAIN=actor
 declare -A RESTARTS=()
 while true; do
-  for role in "${!PIDS[@]}"; do
+  # the store first: when it died, the roles that lost it within the same second say less (the cause)
+  for role in ${PIDS[store]:+store} "${!PIDS[@]}"; do
     if ! kill -0 "${PIDS[$role]}" 2>/dev/null; then
       wait "${PIDS[$role]}" && rc=0 || rc=$?
       # what it left behind (its process group: a SIGKILLed actor's vLLM engine core lived on, holding
