@@ -313,12 +313,14 @@ def forwarded(store, inc: int, cut: int, group_id: int):
     store.set(f"forwarded/{cut}/{inc}/{group_id}", "1")
 
 
-def drop(store, inc: int, cut: int, group_id: int, size: int):
+def drop(store, inc: int, cut: int, group_id: int, size: int, forward: bool = True):
     """A training group that will never be trained: its samples go back to the budget of the
-    incarnation that started them, its id is never generated again."""
+    incarnation that started them, its id is never generated again; `forward`: the verifier's
+    drop also lets it leave u_min (the trainer's comes after the verifier forwarded it)."""
     store.add(f"dropped/{inc}/{cut}", size)
     store.append("groups/dropped", f"{group_id},")
-    forwarded(store, inc, cut, group_id)
+    if forward:
+        forwarded(store, inc, cut, group_id)
 
 # --- trainer side ---------------------------------------------------------------------------------
 
@@ -461,8 +463,7 @@ class Ledger:
                       "reason": "lost on the way", "time": time.time()}
             with open(self.run_dir / "groups_dropped.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
-            self.store.add(f"dropped/{inc}/{self.cut}", size)
-            self.store.append("groups/dropped", f"{gid},")
+            drop(self.store, inc, self.cut, gid, size, forward=False)
             print(f"[trainer] group {gid} of actor incarnation {inc}: a sample never arrived; "
                   "dropped and given back", flush=True)
         for (inc, _), (v, _, _, block) in held.items():
