@@ -384,8 +384,9 @@ def admit(cfg, st: ActorState) -> bool:
     is trained on by version <= u + max_lag, and its tokens were sampled by versions >= u. Stale
     reads only make admission more cautious: an admission is counted in `started` by a
     compare-and-set of the value it checked (elastic.reserve), the trainer publishes (t, consumed,
-    returned) at once, and a member's published oldest version only grows. A sample given back is never consumed: dropped
-    on the way, or a lost incarnation's never trained (elastic.Ledger). Nothing stalls: once the
+    returned) at once, and a member's published oldest version only grows. A sample given back is
+    never consumed: dropped on the way, or a lost incarnation's never trained (elastic.Ledger).
+    Nothing stalls: once the
     groups in flight are forwarded, u_min is the current version and the budget covers the
     trainer's next step. With several actors a slow one's old group holds every actor's
     admission, as it must: the trainer would otherwise train past it.
