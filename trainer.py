@@ -1,18 +1,18 @@
 """Trainer: hand-written FSDP over torchrun ranks; pulls samples, packs, steps, sends weights,
 checkpoints.
 
-Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage, seq), ZMQ PULL from the
-          verifier at ports.host:ports.samples; each rank pulls its B/W sequences per step
-          (B = trainer.batch_size).
+Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage, verifier, order) and
+          `tick`s, ZMQ PULL from the verifier at ports.host:ports.samples; the ranks train whole
+          groups in the order the verifier forwarded them, B = trainer.batch_size per step.
 Produces  (1) the weights after every optimizer step (every actor.G_steps, conventional) to the
           weight group of the live actors (weights_sync.WeightServer), version = optimizer steps
           taken; (2) <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer,
           optim-rank{r}.pt, trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and, per
           rank, samples_trainer[.rank{r}].jsonl (each step's sequences: group ids, sample
-          indices, incarnations, per-token versions run-length coded [v, n]; read by
-          scripts/check_run.py); (4) the actors' admission budget, the samples trained and
-          given back (rank 0's elastic.Ledger).
-Run alone (the run's store at sync.host:sync.port, `python weights_sync.py`; a verifier pushes
+          indices, tickets, per-token versions run-length coded [v, n]; read by
+          scripts/check_run.py); (4) to the ledger (elastic.py, rank 0): the tickets each step
+          trained, with the version it made, and the groups lost on the way.
+Run alone (the run's store and ledger, `python elastic.py`; a verifier pushes
 samples, the actors' vLLM workers join the weight group):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
 `python trainer.py` without torchrun runs one rank with no process group (every collective is a
@@ -388,26 +388,31 @@ class TrainState:
     model: torch.nn.Module
     fsdp: FSDP
     step: int = 0  # optimizer steps taken = version of the current weights
-    max_group_id: int = -1  # largest group_id trained on, all ranks
-    # rank 0, kept by checkpoints: every group id below trained_below was trained on (any rank),
-    # and the ids above it that were
-    trained_below: int = 0
-    trained_ids: set = field(default_factory=set)
+    # rank 0, kept by checkpoints: every group id below done_below was trained or dropped, and
+    # the ids above it that were (a restarted trainer's ledger grants the others again first)
+    done_below: int = 0
+    done_ids: set = field(default_factory=set)
     # steps whose gradient norm was not finite: no update applied (AdamW counts applied ones)
     skipped: int = 0
-    epoch: int = 0  # this trainer's start (store counter trainer/epoch): its timeline of steps
+    epoch: int = 0  # this trainer's start (the ledger's): its timeline of steps
     samples: int = 0  # sequences trained on, all ranks
     malformed: int = 0  # malformed messages this rank dropped
-    # samples of a lost actor incarnation, of a group started before the cut, or of a group that
-    # is never whole (take_batch)
+    # samples of another trainer epoch, or of a group lost on the way (take_batch)
     discarded: int = 0
-    alone_since: float = None  # when this rank saw the weight group without actors (take_batch)
+    alone_since: float = None  # when rank 0 saw the weight roster without actors (take_batch)
     last_sample: float = 0.0  # when this rank last received a sample (pull_samples)
-    # verifier incarnation -> the highest order of its samples received (pull_samples)
-    highest: dict = field(default_factory=dict)
+    # verifier incarnation -> the first order of its forwards not yet passed on this rank: past
+    # its samples' orders and its ticks' (pull_samples)
+    passed: dict = field(default_factory=dict)
+    # verifier incarnation -> the first order not yet trained or found lost (whole_groups)
+    start: dict = field(default_factory=dict)
+    # rank 0: every verifier's forwards, as the ledger last said (where an old one's orders end)
+    ends: list = field(default_factory=list)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
     # this rank's timeline (main sets it; run.trace): a disabled one records nothing
     events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
+    # this rank's watchdog timer (main sets it): made at every micro-batch, wait and unit saved
+    progress: elastic.Progress = field(default_factory=elastic.Progress)
 
 def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
     """Load the HF model (init_from, model.path, or a checkpoint directory) unless given; shard it;
@@ -430,12 +435,9 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
             torch.set_rng_state(sds[0]["rng_cpu"])
             if device.type == "cuda":
                 torch.cuda.set_rng_state(sds[0]["rng_cuda"])
-        for key in ("step", "max_group_id", "samples", "skipped"):  # saved under their names
+        for key in ("step", "samples", "skipped", "epoch", "done_below"):  # saved under their names
             setattr(state, key, meta[key])
-        state.epoch = meta.get("epoch", 0)
-        # older checkpoints: none
-        state.trained_below = meta.get("trained_below", state.max_group_id + 1)
-        state.trained_ids = set(meta.get("trained_above", []))
+        state.done_ids = set(meta["done_above"])
     return state
 
 def pack_micro_batches(samples, micro_batch_tokens):
@@ -510,6 +512,7 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     n_mb = max(1, all_max([len(batches)], device)[0])
     sums = {}
     for mb in batches + [[]] * (n_mb - len(batches)):
+        state.progress.made()
         x = collate(mb, version, device)
         logprobs, entropy = state.fsdp.run_root(completion_forward, state.model, x,  # [B,T-1] each
                                                 actor.temperature, actor.top_p, tc.logits_chunk)
@@ -551,10 +554,8 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     flat = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(-1) for _, v in local]
     parts = all_reduce(torch.cat(flat)).split([t.numel() for t in flat])
     totals = {k: p.tolist() if np.ndim(v) else p.item() for (k, v), p in zip(local, parts)}
-    last_group = max([int(s["group_id"]) for s in samples], default=-1)
-    lag_max, neg_lag_min, max_group = all_max(
-        [lags.max(initial=-10**9), -lags.min(initial=10**9), last_group], device, torch.float64)
-    state.max_group_id = max(state.max_group_id, int(max_group))
+    lag_max, neg_lag_min = all_max([lags.max(initial=-10**9), -lags.min(initial=10**9)], device,
+                                   torch.float64)
     state.samples += int(totals["sequences"])
     return step_metrics(totals, grad_norm, -neg_lag_min, lag_max, train_s, n_mb, state, skipped)
 
@@ -655,17 +656,17 @@ def complete_checkpoints(root) -> list:
 def latest_checkpoint(root):
     return (complete_checkpoints(root) or [None])[-1]
 
-def prune_trained(state):
-    """Move trained_below past the ids trained on, keeping `trained` to the ids above it."""
-    while state.trained_below in state.trained_ids:
-        state.trained_ids.discard(state.trained_below)
-        state.trained_below += 1
+def prune_done(state):
+    """Move done_below past the ids done, keeping done_ids to the ids above it."""
+    while state.done_below in state.done_ids:
+        state.done_ids.discard(state.done_below)
+        state.done_below += 1
 
 def save_checkpoint(state, cfg, tokenizer=None) -> Path:
     """Atomic: everything goes into .tmp-step-N; COMPLETE is written last, then the directory is
     renamed."""
     from safetensors.torch import save_file
-    prune_trained(state)  # rank 0's: a resumed trainer generates the others again first
+    prune_done(state)  # rank 0's: a resumed trainer's ledger grants the others again first
     root = cfg.run_dir / "checkpoints"
     final, tmp = root / f"step-{state.step}", root / f".tmp-step-{state.step}"
     if is_main():
@@ -681,6 +682,7 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
     # join).
     weight_map, total = {}, 0
     for i, tensors in enumerate(state.fsdp.full_units(torch.float32)):
+        state.progress.made()
         if is_main():
             fname = f"model-{i + 1:05d}-of-{len(state.fsdp.units):05d}.safetensors"
             save_file({n: t.detach().cpu().clone() for n, t in tensors.items()}, tmp / fname,
@@ -694,8 +696,8 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps(
-            {"step": state.step, "version": state.step, "max_group_id": state.max_group_id,
-             "trained_below": state.trained_below, "trained_above": sorted(state.trained_ids),
+            {"step": state.step, "version": state.step, "done_below": state.done_below,
+             "done_above": sorted(state.done_ids),
              "samples": state.samples, "skipped": state.skipped, "world_size": world(),
              "epoch": state.epoch,
              "time": time.time()}))
@@ -717,9 +719,10 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
 
 def pull_samples(sock, pending, state, vocab_size, group_size, n, seconds: float) -> float:
     """Wait up to `seconds` for a sample, then pull into `pending` until this rank holds n or
-    `seconds` have passed, and every sample already here. -> seconds waited. A malformed sample
-    (bad schema, non-finite numbers, ids outside the vocabulary) is dropped and counted: its group
-    is never whole (elastic.whole_groups)."""
+    `seconds` have passed, and every sample already here. -> seconds waited. A sample of another
+    trainer epoch is discarded; a malformed one (bad schema, non-finite numbers, ids outside the
+    vocabulary) is dropped and counted: its group is never whole (`whole_groups`). Every sample
+    and tick moves its verifier's `passed` order."""
     waited, end, first = 0.0, time.time() + seconds, True
     while True:
         t0 = time.time()
@@ -727,9 +730,13 @@ def pull_samples(sock, pending, state, vocab_size, group_size, n, seconds: float
         if not sock.poll(max(0, int(1000 * (end - t0))) if wait else 0):
             return waited + time.time() - t0
         waited, first = waited + time.time() - t0, False
-        state.last_sample = time.time()
         frames = sock.recv_multipart()
         try:
+            if len(frames) == 1:  # a tick: where the verifier's forwards stand
+                header, _ = common.decode(frames, "tick")
+                state.passed[header["verifier"]] = max(state.passed.get(header["verifier"], 0),
+                                                       header["order"])
+                continue
             header, arrays = common.decode(frames, "sample")
             ids = np.concatenate([arrays["prompt_ids"], arrays["completion_ids"]])
             if len(arrays["prompt_ids"]) == 0 or not np.all((0 <= ids) & (ids < vocab_size)):
@@ -741,99 +748,125 @@ def pull_samples(sock, pending, state, vocab_size, group_size, n, seconds: float
             print(f"[trainer] rank {rank()}: dropped a malformed sample ({e})", flush=True)
             continue
         v = header["verifier"]
-        state.highest[v] = max(state.highest.get(v, -1), header["order"])
+        state.passed[v] = max(state.passed.get(v, 0), header["order"] + 1)
+        state.last_sample = time.time()
+        if header["epoch"] != state.epoch:  # sampled by weights this trainer never had
+            state.discarded += 1
+            continue
         pending.append({**header, **arrays})
 
-def take_batch(sock, pending, want, size, state, cfg, addr, vocab_size, view, on_wait,
-               books=None):
+def group_table(pending: list, state) -> list:
+    """This rank's part of `whole_groups`' input, one list of ints gathered from every rank: the
+    number of groups it holds samples of, and per group [verifier, order, ticket, group id,
+    samples here]; the number of verifiers it heard from, and per one [verifier, its `passed`
+    order]; then, rank 0, every verifier's forwards as the ledger last said ([verifier, count])."""
+    groups = {}
+    for s in pending:
+        key = (int(s["verifier"]), int(s["order"]), int(s["ticket"]), int(s["group_id"]))
+        groups[key] = groups.get(key, 0) + 1
+    flat = [len(groups), *(x for key, n in groups.items() for x in (*key, n))]
+    flat += [len(state.passed), *(x for item in state.passed.items() for x in item)]
+    return flat + [x for item in state.ends for x in item]
+
+def whole_groups(tables: list, size: int, start: dict) -> list:
+    """Every rank alike, from every rank's `group_table`: the forwarded groups from each verifier's
+    `start` on, in the order they were forwarded, as far as each is known whole or lost ->
+    [(verifier, order, ticket and group id if whole, else None)].
+
+    The lag bound (actor.admit) takes groups in forwarding order, so none is trained before an
+    earlier one is trained or known lost. A verifier's pipe to a rank is first in, first out (also
+    across its restart: the rank's connecting PULL socket keeps its pipe), so once every rank has
+    passed an order (a later group's sample or a tick came), what has not arrived of the group
+    never will; traffic from a newer verifier passes every order of the older ones, whose forwards
+    end where the ledger says."""
+    held, passed, ends = {}, [], {}
+    for r, flat in enumerate(tables):
+        n = flat[0]
+        for k in range(n):
+            v, o, ticket, group_id, count = flat[1 + 5 * k:6 + 5 * k]
+            held.setdefault((v, o), [(ticket, group_id), 0])[1] += count
+        m, rest = flat[1 + 5 * n], flat[2 + 5 * n:]
+        passed.append(dict(zip(rest[:2 * m:2], rest[1:2 * m:2])))
+        if r == 0:
+            ends = dict(zip(rest[2 * m::2], rest[2 * m + 1::2]))
+    known = []
+    for v in sorted(set(start) | {v for v, _ in held} | set(passed[0])):
+        # the first order not yet passed on every rank (a rank that heard a newer verifier: none)
+        w = min(math.inf if max(p, default=v) > v else p.get(v, 0) for p in passed)
+        end = math.inf if w < math.inf else ends.get(v)
+        o = start.get(v, 0)
+        while end is not None and o < end:
+            ticket, count = held.get((v, o), (None, 0))
+            if count < size and o >= w:
+                return known  # not known yet: in flight
+            known.append((v, o, ticket if count == size else None))
+            o += 1
+        if end is None or end == math.inf:
+            return known
+    return known
+
+def take_batch(sock, pending, want, size, state, cfg, addr, vocab_size, ledger=None):
     """This rank's part of the next optimizer step's `size` samples, all ranks together: whole
-    groups only, the first the verifier sent (elastic.whole_groups), once `want` samples of whole
-    groups are here. Each rank pulls for up to 0.2 s at a time; between pulls rank 0 keeps its
-    books (`on_wait`: drops and lost actors reach the actors' budget without a step, which the
-    ranks may be waiting for) and every rank keeps only the samples of the weight group's members
-    and of its cut, by one view for all ranks (rank 0's: `view()` -> (members, cut)). Filtering
-    at this point, not on arrival, is what makes the books exact: whole groups go (a view does
-    not change within a batch), and no sample of an incarnation the books gave back as lost is
-    trained after (rank 0 published with this view or an older one). A group that will never be
-    whole is dropped (rank 0's `books`). -> (samples, seconds waited)."""
+    groups only, in the order the verifiers forwarded them (`whole_groups`), once `want` samples
+    of them are here. Each rank pulls for up to 0.2 s at a time; between pulls the ranks gather
+    what they hold, drop the groups lost on the way, and rank 0 tells the ledger (the report
+    also brings where each verifier's forwards end, and the ids dropped since). -> (samples,
+    seconds waited, the step's groups [(ticket, group id)])."""
     device, waited, since, gs = state.fsdp.device, 0.0, time.time(), cfg.actor.group_size
     seconds = 0.0  # what is here may do
     while True:
         waited += pull_samples(sock, pending, state, vocab_size, gs, want // world(), seconds)
         seconds = 0.2
-        on_wait()
-        # sync: rank 0's view to every rank (cut + 1: 0 for none yet)
-        mine = []
-        if is_main():
-            who, cut = view()
-            mine = [0 if cut is None else cut + 1, *who]
-        agreed = all_gather_ints(mine, device)[0] if world() > 1 else mine
-        cut, who = agreed[0] - 1 if agreed[0] else None, set(agreed[1:])
-        kept = [s for s in pending if s["inc"] in who and s["cut"] == cut]
-        state.discarded += len(pending) - len(kept)
+        state.progress.made()  # waiting for samples is waiting on the verifier, not hung
         # sync: every rank's groups to every rank
-        mine = elastic.group_table(kept, state.highest, gs)
+        mine = group_table(pending, state)
         tables = all_gather_ints(mine, device) if world() > 1 else [mine]
-        whole, lost, held, watermark = elastic.whole_groups(tables, gs)
-        if is_main() and books is not None:
-            books.held(held, watermark, lost, gs)
-        gone = set(lost)
-        pending[:] = [s for s in kept if (s["inc"], s["group_id"]) not in gone]
-        state.discarded += len(kept) - len(pending)
-        if len(whole) * gs >= want:
-            chosen = set(whole[:size // gs])
-            batch = [s for s in pending if (s["inc"], s["group_id"]) in chosen]
-            pending[:] = [s for s in pending if (s["inc"], s["group_id"]) not in chosen]
-            return batch, waited
+        known = whole_groups(tables, gs, state.start)
+        whole = [i for i, (_, _, group) in enumerate(known) if group is not None]
+        ready = len(whole) * gs >= want
+        # the step's groups and the lost ones before them, else only the lost ones before any
+        taken = known[:whole[size // gs - 1] + 1] if ready else known[:(whole or [len(known)])[0]]
+        for v, o, _ in taken:
+            state.start[v] = o + 1
+        lost = [[v, o] for v, o, group in taken if group is None]
+        gone = {(v, o) for v, o in lost}
+        kept = [s for s in pending if (s["verifier"], s["order"]) not in gone]
+        state.discarded += len(pending) - len(kept)
+        pending[:] = kept
+        if is_main() and ledger is not None:
+            report(ledger, state, [], lost)
+        if ready:
+            chosen = {group[0] for _, _, group in taken if group is not None}
+            batch = [s for s in pending if s["ticket"] in chosen]
+            pending[:] = [s for s in pending if s["ticket"] not in chosen]
+            return batch, waited, [group for _, _, group in taken if group is not None]
         last = max(state.last_sample, since)
-        state.alone_since = None if who else state.alone_since
-        if is_main() and not who and time.time() - last > 5 and not state.alone_since:
-            state.alone_since = time.time()
-            print("[trainer] no actor in the weight group: waiting up to "
-                  f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s) for one to join (actor.py, "
-                  "or run.sh on its node)", flush=True)
         if time.time() - last > cfg.run.peer_timeout_s:
             sys.exit(f"[trainer] rank {rank()}: no sample from the verifier at {addr} for "
-                     f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(pending)} "
-                     f"here, {len(whole) * gs} of {want} in whole groups on all ranks; "
-                     f"{waiting_for(who if is_main() else None, cfg)}")
+                     f"{cfg.run.peer_timeout_s:.0f} s (run.peer_timeout_s), {len(pending)} here, "
+                     f"{len(whole) * gs} of {want} in whole groups on all ranks; is verifier.py "
+                     "running, and is an actor in the weight roster (trainer rank 0's log)?")
 
-def settle(state, samples, books):
-    """All ranks, once a step: every rank's (incarnation, group id) of the step's samples to rank
-    0, which counts them trained (its books, and the ids a resumed trainer skips)."""
-    flat = [v for s in samples for v in (int(s["inc"]), int(s["group_id"]))]
-    # sync: one all-gather (two all-reduces)
-    gathered = all_gather_ints(flat, state.fsdp.device) if world() > 1 else [flat]
-    if not is_main():
-        return
-    state.trained_ids |= {g for f in gathered for g in f[1::2] if g >= state.trained_below}
-    books.settle([inc for f in gathered for inc in f[0::2]])
-
-def waiting_for(members, cfg) -> str:
-    """For the no-samples error: what to look at (members None: not known on this rank)."""
-    if members is None:
-        who = "trainer rank 0's log says which actors are in the weight group"
-    elif members:
-        who = f"the weight group's actor incarnations {sorted(members)} are alive (heartbeats)"
-    else:
-        who = (f"no actor has been alive for run.heartbeat_timeout_s="
-               f"{cfg.run.heartbeat_timeout_s:.0f} s: its node is down or unreachable, or actor.py "
-               "died there")
-    return f"{who}; is verifier.py running? (logs/verifier.log, logs/actor.log)"
+def report(ledger, state, trained: list, lost: list):
+    """Rank 0 to the ledger: the tickets trained by the step that made state.step, the groups
+    lost on the way; back: the group ids dropped since (done for good) and every verifier's
+    forwards."""
+    reply = ledger.request("report", epoch=state.epoch, version=state.step, trained=trained,
+                           lost=lost)
+    state.done_ids |= set(reply["dropped"])
+    state.ends = reply["forwards"]
 
 def write_samples(cfg, state, samples):
     """This rank's samples of the step, for scripts/check_run.py and the figures: per sample its
-    group, index and incarnation, its tokens' versions run-length encoded ([[version, tokens]])."""
+    group, index and ticket, its tokens' versions run-length encoded ([[version, tokens]])."""
     rle = [[[v, len(list(g))] for v, g in groupby(s["versions"].tolist())] for s in samples]
     name = "samples_trainer.jsonl" if is_main() else f"samples_trainer.rank{rank()}.jsonl"
-    cut = int(samples[0]["cut"]) if samples else None
     with open(cfg.run_dir / name, "a") as f:
         f.write(json.dumps({"step": state.step, "trainer_version": state.step - 1,
-                            "epoch": state.epoch,
-                            "cut": cut, "rank": rank(),
+                            "epoch": state.epoch, "rank": rank(),
                             "group_ids": [int(s["group_id"]) for s in samples],
                             "sample_idx": [int(s["sample_idx"]) for s in samples],
-                            "incs": [int(s["inc"]) for s in samples],
+                            "tickets": [int(s["ticket"]) for s in samples],
                             "version_runs": rle}) + "\n")
 
 # --- main -----------------------------------------------------------------------------------------
@@ -851,14 +884,15 @@ def main():
     if is_main():
         common.setup_logging(cfg, "trainer")
 
-    # The run's store (weights_sync.serve_store: run.sh starts it before any role): announcements,
-    # heartbeats, counters and the weight group's rendezvous outlive a trainer that restarts.
+    # The run's store (node 0's elastic.py, which run.sh starts before any role): announcements and
+    # the weight rosters' rendezvous outlive a trainer that restarts; the ledger beside it.
     store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
 
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
     ckpt = latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
     state = build_state(cfg, device, ckpt)
     state.events = common.Events(cfg.run_dir, f"trainer{rank()}", cfg.run.trace)
+    state.progress = elastic.Progress(cfg, f"trainer rank {rank()} (pid {os.getpid()})")
     tokenizer, src = None, ckpt or cfg.trainer.init_from or cfg.model_path
     if is_main():
         params = sum(u.numel for u in state.fsdp.units)
@@ -869,30 +903,22 @@ def main():
             from transformers import AutoTokenizer
             tokenizer = AutoTokenizer.from_pretrained(src)
 
-    # --- weight group (trainer rank 0 + every live actor's workers): this version first ---
-    server, group, books = None, None, None
+    # --- this trainer's epoch (the ledger grants the ids its checkpoint lacks again first) ---
+    server, ledger, first = None, None, []
     if is_main():
-        state.epoch = elastic.new_epoch(store, state.epoch)
-        # each cut fences the run's group ids; the ones below it never trained are generated again
-        # first (elastic.Ledger.start_cut): in flight at the checkpoint, or given up at the cut
-        floor = state.max_group_id + 1
-        group = elastic.Membership(cfg, state.epoch,
-                                   on_cut=lambda s, g: elastic.fence(s, g, floor))
-        server = weights_sync.WeightServer(cfg, state.step, device, group)
-        books = elastic.Ledger(store, cfg.run_dir, state)
-    if world() > 1:  # sync: rank 0's epoch to every rank (their samples records carry it)
-        state.epoch = all_gather_ints([state.epoch] if is_main() else [], device)[0][0]
+        ledger = elastic.Client(cfg, store)
+        prune_done(state)
+        reply = ledger.request("trainer_hello", epoch=state.epoch, step=state.step,
+                               done_below=state.done_below, done_above=sorted(state.done_ids))
+        first = [reply["epoch"], *(x for item in reply["forwards"] for x in item)]
+    # sync: rank 0's epoch and where each verifier's forwards stand to every rank
+    first = all_gather_ints(first, device)[0] if world() > 1 else first
+    state.epoch, state.start = first[0], dict(zip(first[1::2], first[2::2]))
+
+    # --- weight roster (trainer rank 0 + every live actor's workers): this version first ---
+    if is_main():
+        server = weights_sync.WeightServer(cfg, state.step, device, state.epoch, state.progress)
     send_weights(state, server, store, cfg, wait=True)
-
-    def keep_books(force=False):
-        """Rank 0: the budget goes out (elastic.Ledger), while the trainer waits and each step."""
-        if is_main():
-            books.follow(group, state.step, force)
-
-    def view():
-        """Rank 0, right after keep_books: the members and the cut of the books (samples of a
-        newer cut cannot exist before the books publish its budget)."""
-        return set(group.members), books.cut
 
     # --- samples: each rank pulls its own share from the verifier ---
     addr = common.zmq_addr(cfg.ports.host, cfg.ports.samples)
@@ -912,13 +938,14 @@ def main():
         # as B are here.
         steps = cfg.actor.G_steps - state.step % cfg.actor.G_steps
         t_wait = time.time()
-        samples, wait_s = take_batch(sock, pending, cfg.trainer.batch_size * steps,
-                                     cfg.trainer.batch_size, state, cfg, addr,
-                                     state.model.config.vocab_size, view, keep_books, books)
+        samples, wait_s, groups = take_batch(sock, pending, cfg.trainer.batch_size * steps,
+                                             cfg.trainer.batch_size, state, cfg, addr,
+                                             state.model.config.vocab_size, ledger)
         state.events.span("wait", t_wait)
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
-        settle(state, samples, books)
-        keep_books(force=True)
+        if is_main():  # the ledger's count and version move together; done before any checkpoint
+            report(ledger, state, [ticket for ticket, _ in groups], [])
+            state.done_ids |= {group_id for _, group_id in groups}
         # The weights go out in pipeline mode after every applied step; conventional: once per RL
         # step (G_steps steps), even when its last step was skipped (the actor waits for this
         # broadcast to start the next RL step).

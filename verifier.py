@@ -1,32 +1,32 @@
 """Verifier: scores rollouts, completes groups, computes advantages, pushes training samples.
 
 Consumes  ZMQ PULL bound on ports.host:ports.rollouts: `rollout` messages from the actor
-          (common.SCHEMAS).
-Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group,
-          for the trainer ranks, numbered in send order per actor incarnation and cut (`seq`)
-          and in all (`order`): the trainer trains whole groups in that order and finds the
-          ones that never arrived (elastic.whole_groups); an evaluation
-          pass (`eval`: true) becomes a line of <run.dir>/eval.jsonl instead. Dropped groups
-          (zero-advantage when asked, malformed; never a slow one) go back to their actor's
-          admission budget through the run's store (dropped/<inc>/<cut>). Metrics:
-          metrics_verifier.jsonl.
+          (common.SCHEMAS), a training group's attempts back to back.
+Produces  ZMQ PUSH bound on ports.host:ports.samples: a `sample` per rollout of a complete group
+          the ledger accepts (elastic.py: it refuses a group given back meanwhile), stamped with
+          this verifier's incarnation and the group's `order` among its forwards: the trainer
+          trains whole groups in that order and finds the ones lost on the way; while it has
+          nothing to send, a `tick` to each trainer rank every 0.5 s says where its orders stand.
+          An evaluation pass (`eval`: true) becomes a line of <run.dir>/eval.jsonl instead.
+          Dropped groups (zero-advantage when asked, malformed; never a slow one) are reported to
+          the ledger, which records why. Metrics: metrics_verifier.jsonl.
 Run alone:  python verifier.py [section.key=value ...]   (PUSH rollouts to ports.rollouts, PULL
-            samples from ports.samples; needs the run's store at sync.host:sync.port)
+            samples from ports.samples; needs the run's ledger, `python elastic.py`)
 
 Deliberate simplifications:
- 1. One process, state in memory: a restart loses the groups in progress. It counts itself in the
-    store (verifier/incarnations), and the trainer then cuts: everything started before is given
-    up and generated anew (elastic.Membership).
+ 1. One process, state in memory: a restart loses the groups in progress. Its new incarnation
+    says hello to the ledger, which gives back the groups pushed to the old one and not yet
+    forwarded (generated anew); the groups still generating are kept.
  2. Advantage = r - group mean, no std division (the paper's code); rewards: the config's table
     plus DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
  3. Grading runs in `ScorePool` workers: subprocesses speaking JSON lines over pipes (a spawn pool
     re-imports the caller's __main__ in each), math_verify's own timeouts off (signal.alarm: main
     thread only); a worker that overruns the item limit (sympy on a hostile answer) or dies is
     replaced by a fresh interpreter; its item: `timeout`.
- 4. Late duplicates of a forwarded or dropped group are recognised for the last 100k groups only.
+ 4. Late duplicates of a forwarded, dropped or given-back group are recognised for the last 100k
+    groups only.
 """
 import contextlib
-import itertools
 import json
 import os
 import select
@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import OrderedDict, deque
 
 import numpy as np
 import torch
@@ -178,23 +178,26 @@ class ScorePool:
 # --- the service ----------------------------------------------------------------------------------
 
 class State:
-    """The service's memory (simplification 1). A group's key is (eval, group_id, inc, cut): eval
-    passes have their own ids, and an id generated again in another stream (a restarted trainer's
-    redo list, after its cut) is a new group, not a duplicate of the one this process finished."""
+    """The service's memory (simplification 1). A group's key is (eval, group_id, ticket): an
+    evaluation pass has its own ids (its version), and each copy of a training group its own
+    ticket (elastic.py)."""
 
-    def __init__(self, cfg, store, incarnation: int = 0):
-        # the config; the run's store (weights_sync.serve_store); this verifier's incarnation
-        self.cfg, self.store, self.incarnation = cfg, store, incarnation
-        # key -> {"size", "t0", "seen": {idx}, "stream": (inc, cut), "scored": {idx: (header, arrays)}}
+    def __init__(self, cfg, incarnation: int = 0):
+        # the config; this verifier's incarnation (the ledger's)
+        self.cfg, self.incarnation = cfg, incarnation
+        # key -> {"size", "t0", "seen": {idx}, "scored": {idx: (header, arrays)}}
         self.open = {}
-        self.finished = OrderedDict()  # keys forwarded or dropped (simplification 4)
+        self.finished = OrderedDict()  # keys forwarded, dropped or given back (simplification 4)
         self.scoring = {}  # pool ticket -> (key, header, arrays)
+        # complete training groups the ledger has yet to accept: ticket -> [(header, arrays)] with
+        # their advantages; what the next request reports as dropped: [[ticket, why]]
+        self.ready, self.drops = {}, []
         self.outbox = deque()  # encoded samples waiting for a trainer rank
-        # (actor incarnation, cut) -> the count of its samples (`seq`); all samples (`order`)
-        self.seqs, self.order = defaultdict(itertools.count), itertools.count()
+        self.next_order = 0  # the order the ledger gives the next group this verifier forwards
         self.counts = dict.fromkeys(["groups_forwarded", "zero_adv_groups", "dropped_groups",
-                                     "dropped_samples", "duplicates", "malformed", "slow_groups",
-                                     "evaluations", *(f"status_{s}" for s in tasks.STATUSES)], 0)
+                                     "dropped_samples", "refused_groups", "duplicates",
+                                     "malformed", "slow_groups", "evaluations",
+                                     *(f"status_{s}" for s in tasks.STATUSES)], 0)
         # since the last log
         self.window = {"t": time.monotonic(), "samples": 0, "scored": [], "eval": None}
 
@@ -206,20 +209,14 @@ class State:
         if len(self.finished) > 100_000:  # simplification 4
             self.finished.popitem(last=False)
 
-    def drop(self, key, inc: int, cut: int, size: int, reason: str):
-        """A group that will not be forwarded; a training group's samples go back to the budget of
-        actor incarnation `inc` since the cut `cut` (elastic.drop), and its id is recorded in
-        groups_dropped.jsonl (scripts/check_run.py accounts for it; written first: a verifier
-        killed in between left an id the next cut generates again, not one dropped unrecorded)."""
+    def drop(self, key, size: int, why: str):
+        """A group that will not be forwarded: a training group is reported to the ledger (which
+        records why, and never grants its id again)."""
         self.close(key)
         if not key[0]:
             self.counts["dropped_groups"] += 1
             self.counts["dropped_samples"] += size
-            record = {"group_id": key[1], "inc": inc, "cut": cut, "size": size, "reason": reason,
-                      "time": time.time()}
-            with open(self.cfg.run_dir / "groups_dropped.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            elastic.drop(self.store, inc, cut, key[1], size)
+            self.drops.append([key[2], why])
 
 def receive(sock, state: State, pool, tokenizer, limit: int):
     """Check, decode, submit rollouts while the pool has room. A malformed one drops its group: it
@@ -228,7 +225,7 @@ def receive(sock, state: State, pool, tokenizer, limit: int):
         frames = sock.recv_multipart()
         try:
             header, arrays = common.decode(frames, "rollout")
-            key = (header["eval"], header["group_id"], header["inc"], header["cut"])
+            key = (header["eval"], header["group_id"], header["ticket"])
             idx, size = header["sample_idx"], header["group_size"]
             group = state.open.get(key, {"size": size, "seen": ()})
             if key in state.finished or idx in group["seen"]:
@@ -245,21 +242,20 @@ def receive(sock, state: State, pool, tokenizer, limit: int):
         except common.WireError as e:
             state.counts["malformed"] += 1
             print(f"[verifier] dropped a malformed rollout: {e}", flush=True)
-            # peek_header keeps the fields that are valid by themselves: a drop needs these four
+            # peek_header keeps the fields that are valid by themselves: a drop needs these
             h = common.peek_header(frames)
-            key = (False, h.get("group_id"), h.get("inc"), h.get("cut"))
-            if ({"group_id", "group_size", "inc", "cut"} <= h.keys() and h.get("eval") is not True
-                    and key not in state.finished and h["group_size"] >= 1):
-                state.drop(key, h["inc"], h["cut"], h["group_size"], "malformed")
+            key = (False, h.get("group_id"), h.get("ticket"))
+            if ({"group_id", "group_size", "ticket"} <= h.keys() and h.get("eval") is not True
+                    and key not in state.finished and h["ticket"] > 0):
+                state.drop(key, h["group_size"], "malformed")
             continue
         group = state.open.setdefault(key, {"size": size, "t0": time.monotonic(), "seen": set(),
-                                            "stream": (header["inc"], header["cut"]),
                                             "scored": {}})
         group["seen"].add(idx)
         state.scoring[pool.submit(text, header["answer"], header["task"])] = (key, header, arrays)
 
 def complete(state: State, key):
-    """A complete group: training -> advantages -> samples in the outbox (or dropped); eval ->
+    """A complete group: training -> advantages -> ready for the ledger (or dropped); eval ->
     eval.jsonl."""
     group = state.open[key]
     state.close(key)
@@ -280,15 +276,27 @@ def complete(state: State, key):
     if max(rewards) == min(rewards):  # every advantage is 0: no gradient from this group
         state.counts["zero_adv_groups"] += 1
         if state.cfg.verifier.drop_zero_adv_groups:
-            return state.drop(key, *group["stream"], group["size"], "zero_adv")
-    seqs = state.seqs[group["stream"]]  # in send order: the outbox is first in, first out
-    for (h, a), adv in zip(members, advantages):
-        state.outbox.append(common.encode({**h, "advantage": adv, "seq": next(seqs),
-                                           "verifier": state.incarnation,
-                                           "order": next(state.order)}, a))
-    # in the outbox, first in, first out: the group may leave its actor's u_min (actor.admit)
-    elastic.forwarded(state.store, *group["stream"], key[1])
-    state.counts["groups_forwarded"] += 1
+            return state.drop(key, group["size"], "zero_adv")
+    state.ready[key[2]] = [({**h, "advantage": adv}, a) for (h, a), adv in zip(members, advantages)]
+
+def forward(state: State, ledger):
+    """The complete groups to the ledger, and the drops: the accepted go to the outbox with their
+    order (first in, first out: the trainer counts on it), the refused (given back meanwhile) are
+    discarded, and the groups the ledger gave back since are closed here."""
+    reply = ledger.request("forward", verifier=state.incarnation, forward=list(state.ready),
+                           drop=state.drops)
+    state.drops = []
+    for ticket, order in reply["accepted"]:
+        for h, a in state.ready.pop(ticket):
+            message = {**h, "verifier": state.incarnation, "order": order}
+            state.outbox.append(common.encode(message, a))
+        state.counts["groups_forwarded"] += 1
+        state.next_order = order + 1
+    state.counts["refused_groups"] += len(state.ready)
+    state.ready = {}
+    for ticket in reply["void"]:
+        for key in [k for k in state.open if k[2] == ticket] or [(False, None, ticket)]:
+            state.close(key)
 
 def log_window(state: State, pool, now):
     """Log the metrics of the window that ends `now` and start the next one."""
@@ -322,11 +330,13 @@ def main():
     rollouts_sock, samples_sock = common.pull_socket(ctx), ctx.socket(zmq.PUSH)
     rollouts_sock.bind(common.zmq_addr(host, cfg.ports.rollouts))
     samples_sock.bind(common.zmq_addr(host, cfg.ports.samples))
-    # This incarnation, in the run's store: the trainer cuts when it changes (a restarted verifier
-    # lost the groups it held; elastic.Membership)
+    # This incarnation, the ledger's (it gives back what the previous one held, simplification 1)
     store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
-    incarnation = elastic.register_verifier(store)
-    pool, state = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, store, incarnation)
+    ledger = elastic.Client(cfg, store)
+    incarnation = ledger.request("verifier_hello")["verifier"]
+    pool, state = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, incarnation)
+    progress = elastic.Progress(cfg, f"verifier (pid {os.getpid()})")
+    ranks, asked, sent = cfg.trainer.nproc * cfg.trainer.nnodes, 0.0, time.monotonic()
     stopping = threading.Event()  # set by SIGTERM / SIGINT: the loop ends after its current turn
     events = common.Events(cfg.run_dir, "verifier", cfg.run.trace)
     # the timeline's current bucket: its start (time.time()) and the samples scored since
@@ -367,19 +377,28 @@ def main():
                            scoring=pool.busy(), groups_completed=state.counts["groups_forwarded"],
                            groups_dropped=state.counts["dropped_groups"])
             bucket_t0, bucket_scored = wall, 0
-        # --- push samples to the trainer ---
+        # --- the ledger accepts the complete groups (at least once a second: what it gave back) ---
+        if state.ready or state.drops or time.monotonic() - asked > 1.0:
+            forward(state, ledger)
+            asked = time.monotonic()
+        # --- push samples to the trainer; with none to push, a tick to every rank ---
         with contextlib.suppress(zmq.Again):  # no room after all: the rest waits for the next turn
             while state.outbox and samples_sock.poll(0, zmq.POLLOUT):
                 samples_sock.send_multipart(state.outbox[0], zmq.NOBLOCK, copy=False)
                 state.outbox.popleft()
                 state.window["samples"] += 1
+                sent = time.monotonic()
+            if not state.outbox and time.monotonic() - sent > 0.5:
+                tick = common.encode({"verifier": incarnation, "order": state.next_order})
+                for _ in range(ranks):  # ZMQ deals them round-robin: one each, pipes with room
+                    samples_sock.send_multipart(tick, zmq.NOBLOCK)
+                sent = time.monotonic()
+        progress.made()  # its loop turns; its scoring workers have their own time limit
         # --- report slow groups (never drop them); log ---
-        # A slow group is not a lost one: with a long tail of lengths its last sample may come
-        # minutes after its first, and dropping it would train only on the problems answered
-        # quickly (and lose an evaluation pass). A sample is known lost only when it arrives
-        # malformed (`receive` drops its group), when the trainer finds that it never arrived
-        # (elastic.whole_groups), or when a role dies: then the trainer gives up the lost
-        # actor's samples, or everything before a cut (elastic.Membership).
+        # A slow group is not a lost one: the actor pushes a group's attempts back to back, but a
+        # backlog at this socket can hold the rest. A group is known lost only when a sample
+        # arrives malformed (`receive` drops it), when the trainer finds that it never arrived
+        # (trainer.whole_groups), or when its actor is lost (the ledger gives it back).
         now = time.monotonic()
         if now - state.window["t"] >= cfg.run.log_every:
             for key, group in state.open.items():
@@ -390,7 +409,6 @@ def main():
                           f"{group['size']} samples received): waiting for the rest", flush=True)
                     state.counts["slow_groups"] += 1
             log_window(state, pool, now)
-            elastic.check_store(store)  # the run's store gone: exit 3, below
 
     # --- shutdown (SIGTERM / SIGINT) ---
     log_window(state, pool, time.monotonic())

@@ -1,14 +1,14 @@
-"""The weight-update process group: trainer rank 0 broadcasts new weights to every vLLM worker.
+"""Weight rosters: trainer rank 0 broadcasts new weights to every vLLM worker of the live actors.
 
 Consumes: the trainer's `(hf_name, full_tensor)` iterator (one sharding unit gathered at a time).
 Produces: the same tensors inside every vLLM worker (`WeightUpdateExtension`), copied into the
 model's Parameters in place (written against vLLM 0.32's worker API: model.load_weights,
 collective_rpc).
-Rendezvous: the run's `TCPStore` at `sync.host:sync.port`, served by a process of its own
-(`python weights_sync.py [k=v ...]`, started by run.sh). The trainer's `WeightServer` broadcasts
-to the weight group of the live actors (who is in it, and when it is formed anew:
-elastic.Membership). Each broadcast is announced first: the counter `announced` goes to n and
-`announce/<n>` is set to its version ("group <g>" before a new group's versions, "done" at the
+Rendezvous: the run's `TCPStore` at `sync.host:sync.port` (served by node 0's `python elastic.py`,
+which run.sh starts first). The trainer's `WeightServer` broadcasts to a roster: trainer rank 0 and
+the workers of the actors the ledger counts alive (elastic.py), in a process group of their own,
+formed anew when they change. Each broadcast is announced first: the counter `announced` goes to n
+and `announce/<n>` is set to its version ("roster <g>" before a new roster's versions, "done" at the
 end): the actor blocks on the next key, never polls. An update: a header (int64 length, then UTF-8
 JSON, never pickle), then buckets.
 
@@ -19,8 +19,8 @@ Simplifications:
    (see iter_tensors).
 3. Tied embeddings: the shared tensor travels once; a tied lm_head reads the embedding it shares
    (`unpack_cpu_weights`); quantized engine models are refused.
-4. Membership is decided by rank 0 alone, from heartbeats in the store (elastic.Membership); a
-   member that is slow to meet is treated as lost and comes back as a new incarnation.
+4. A roster is fixed at creation (gloo and NCCL groups are): a member lost, or a new one, forms a
+   new roster, whose first broadcast is the newest weights.
 """
 import collections
 import contextlib
@@ -28,9 +28,11 @@ import datetime
 import glob
 import itertools
 import json
+import mmap
 import os
-import signal
 import socket
+import struct
+import tempfile
 import threading
 import time
 from unittest import mock
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 import common
+import elastic
 
 _ALIGN = 64  # byte alignment of a tensor inside a bucket (any dtype view stays aligned)
 
@@ -62,15 +65,6 @@ def create_store(host: str, port: int, is_master: bool, timeout_s: float) -> dis
     # the store takes over the socket's file descriptor (detach: Python must not close it)
     return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False,
                          master_listen_fd=listener.detach())
-
-def serve_store(cfg):
-    """The run's TCPStore at sync.host:sync.port, in a process of its own (run.sh starts it before
-    any role, on node 0): announcements, heartbeats, counters and every weight group's rendezvous
-    live here, so a role that dies and comes back (the trainer too) finds them as they were. It
-    holds no logic that could fail. Runs until SIGTERM or SIGINT."""
-    store = create_store(cfg.sync.host, cfg.sync.port, True, cfg.run.peer_timeout_s)
-    print(f"[store] serving at {cfg.sync.host}:{store.port}", flush=True)
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
 
 def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout_s: float = 300.0,
                name: str = "weights", join_timeout_s: float = None, given_up=lambda: False):
@@ -128,11 +122,11 @@ def _new_group(backend: str, prefix, rank: int, world_size: int, timeout):
     with mock.patch.dict(os.environ, {"TORCH_NCCL_BLOCKING_WAIT": "1"}):
         return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
 
-def later_group(store, g: int) -> bool:
-    """Has a weight group after g been formed? Its number counted and its key set (a trainer that
-    died between the two left a number without a key: a later one's key counts too)."""
-    count = int(store.add("group/count", 0))
-    return any(store.check([f"group/{h}"]) for h in range(g + 1, count + 1))
+def later_roster(store, g: int) -> bool:
+    """Has a roster after g been formed? Its number counted and its key set (a trainer that died
+    between the two left a number without a key: a later one's key counts too)."""
+    count = int(store.add("roster/count", 0))
+    return any(store.check([f"roster/{h}"]) for h in range(g + 1, count + 1))
 
 # Groups given up (`abandon`), by id. NCCL: the shutdown aborts the communicator, and a collective
 # waiting on it fails at once. gloo: its shutdown ends nothing (a broadcast waiting on a peer that
@@ -195,10 +189,10 @@ def bucket_layout(manifest, bucket_bytes: int):
     return entries, sizes
 
 def announce(store, value: str):
-    """The next `announce/<n>`: a version about to be broadcast, "group <g>" (a new weight group,
-    elastic.Membership), or "done". Set only where no key is (compare-and-set): an actor fills a
-    number whose writer died between counting and setting it with "skip" (elastic.watchdog), and
-    a writer that finds its number so filled takes the next."""
+    """The next `announce/<n>`: a version about to be broadcast, "roster <g>" (a new roster), or
+    "done". Set only where no key is (compare-and-set): a new trainer fills a number whose writer
+    died between counting and setting it with "skip" (WeightServer), and a writer that finds its
+    number so filled takes the next."""
     while True:
         n = int(store.add("announced", 1))
         if store.compare_set(f"announce/{n}", "", value).decode() == value:
@@ -255,49 +249,57 @@ class WeightSender:
             wait(work, pg)
 
 class WeightServer:
-    """Trainer rank 0's side of the weight group: a thread of its own broadcasts the newest weights
-    to the group's members while the trainer trains its next step (sync.async_send=false: the
-    trainer waits for each). Who the members are, and when a new group is formed, is `group`'s
-    (elastic.Membership: the live actor incarnations). A new group's first broadcast is the
-    newest copy this server holds: a (re)joining actor gets the newest weights first.
+    """Trainer rank 0's side of the rosters: a thread of its own broadcasts the newest weights to
+    the roster's members while the trainer trains its next step (sync.async_send=false: the trainer
+    waits for each); another asks the ledger every 0.5 s which actors are alive and gives the
+    roster's process group up as soon as a member is lost (a broadcast waiting on a dead or
+    stopped host fails now, not after sync.timeout_s). A roster's first broadcast is the newest
+    copy this server holds: a (re)joining actor gets the newest weights first.
     Memory: one full copy of the weights, written by `send` while no broadcast reads it."""
 
-    def __init__(self, cfg, version: int, device, group):
-        sync, self.cfg, self.version, self.group = cfg.sync, cfg, version, group
-        # its own connection: the broadcast's announcements
+    def __init__(self, cfg, version: int, device, epoch: int, progress=None):
+        sync, self.cfg, self.version, self.epoch = cfg.sync, cfg, version, epoch
+        # its own connection: the broadcast's announcements and the rosters
         self.store = create_store(sync.host, sync.port, False, cfg.run.peer_timeout_s)
         self.sender = WeightSender(self.store, None, sync.bucket_mb, device)
         # CUDA: the thread's work gets a stream of its own. A new thread's current stream is the
         # device's default stream, which training also uses: each bucket's pack and NCCL wait would
         # queue training kernels behind the wire.
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # the copy, its manifest, and whether the current group has yet to get it
+        # the copy, its manifest, and whether the current roster has yet to get it
         self.copy, self.manifest, self.fresh = {}, None, False
         self.lock = threading.Lock()  # held while the copy is written or on the wire
         self.broken = False  # a broadcast failed: a member is gone
         self.error = None  # what stops the trainer (a mismatching manifest)
         self.closed = False
-        self.wake = group.wake  # set on a new copy, and on a change of members
+        # the roster: its number, members (actor incarnation -> first rank); the ledger's live ones
+        self.g, self.members, self.live = 0, {}, None
+        self.progress = progress  # the trainer's watchdog timer: a wait on the actors re-arms it
+        self.wake = threading.Event()  # set on a new copy, and on a change of the live actors
+        # a trainer that died between counting its last announcement and setting it left a gap
+        # the actors would wait on for ever
+        if last := int(self.store.add("announced", 0)):
+            self.store.compare_set(f"announce/{last}", "", "skip")
+        threading.Thread(target=self._watch, daemon=True).start()
         threading.Thread(target=self._run, daemon=True).start()
-
-    @property
-    def members(self) -> dict:
-        """The current group's members: actor incarnation -> its first rank."""
-        return self.group.members
 
     def send(self, version: int, named_tensors, wait: bool):
         """Copy the gathered weights (`named_tensors`, consumed whole: the other ranks gather with
         it) for the thread to broadcast. With a broadcast on the wire this version is skipped (only
         the newest travels, each with its own version, so labels stay exact) unless `wait`, which
-        waits at most sync.timeout_s (then RuntimeError naming the weight group)."""
+        waits at most sync.timeout_s (then RuntimeError naming the weight roster)."""
         self.check()
-        if not self.lock.acquire(timeout=self.cfg.sync.timeout_s if wait else 0):
+        deadline = time.monotonic() + (self.cfg.sync.timeout_s if wait else 0)
+        while not self.lock.acquire(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() < deadline:
+                self.made_progress()  # waiting on the actors, not hung
+                continue
             for _ in named_tensors:
                 pass
             if wait:
                 raise RuntimeError(f"the weight broadcast to the actors has not finished after "
                                    f"{self.cfg.sync.timeout_s:.0f} s (sync.timeout_s); the weight "
-                                   f"group's store is at {self.store.host}:{self.store.port} "
+                                   f"roster's store is at {self.store.host}:{self.store.port} "
                                    "(sync.host:sync.port): is every actor.py's vLLM worker up?")
             return
         try:
@@ -315,9 +317,13 @@ class WeightServer:
             self.lock.release()
         self.wake.set()
 
+    def made_progress(self):
+        if self.progress is not None:
+            self.progress.made()
+
     def check(self):
         if self.error is not None:
-            raise RuntimeError(f"the weight group failed: {self.error}") from self.error
+            raise RuntimeError(f"the weight roster failed: {self.error}") from self.error
 
     def drain(self):
         """Wait until every member has the newest copy, or there is no member (at most
@@ -325,6 +331,7 @@ class WeightServer:
         deadline = time.time() + self.cfg.sync.timeout_s
         while (self.fresh or self.lock.locked()) and self.members and time.time() < deadline:
             self.check()
+            self.made_progress()
             time.sleep(0.01)
         self.check()
 
@@ -334,20 +341,61 @@ class WeightServer:
         self.drain()
         with self.lock:
             self.sender.announce(last)
-            self.closed = self.group.closed = True  # the threads stop at their next turn
+            self.closed = True  # the threads stop at their next turn
+
+    def _watch(self):
+        """The live actors, every 0.5 s, on a ledger line of its own; a lost member's roster is
+        given up at once (NCCL's answer to a lost member too: abort the communicator)."""
+        ledger = elastic.Client(self.cfg, self.store)
+        while not self.closed:
+            self.live = set(ledger.request("members")["live"])
+            if set(self.members) - self.live:
+                abandon(self.sender.pg)
+            if self.live != set(self.members):
+                self.wake.set()
+            time.sleep(0.5)
+
+    def form(self, ledger):
+        """A new roster of rank 0 and the live actors' workers, announced -> its process group
+        (None: no member). Members that do not meet within run.heartbeat_timeout_s are lost; when
+        all met but the group could not be built, the ones new to it are (the others built the
+        last one together), else all: none is retried for ever."""
+        cfg, per = self.cfg, self.cfg.actor.engines * self.cfg.actor.tp
+        abandon(self.sender.pg)  # a broadcast still waiting on the old roster fails now
+        self.sender.pg, old = None, self.members
+        g = int(self.store.add("roster/count", 1))
+        members = {inc: 1 + k * per for k, inc in enumerate(sorted(self.live))}
+        info = {"members": members, "epoch": self.epoch, "version": self.version}
+        self.store.set(f"roster/{g}", json.dumps(info))
+        announce(self.store, f"roster {g}")
+        self.g, self.members = g, members
+        if not members:
+            return None
+        try:
+            return init_group(self.store, 0, 1 + len(members) * per, "auto", cfg.sync.timeout_s,
+                              f"weights/{g}", cfg.run.heartbeat_timeout_s,
+                              lambda: bool(set(members) - self.live))
+        except (dist.DistStoreError, RuntimeError) as e:
+            met = {inc for inc, first in members.items() if self.store.check(
+                [f"weights/{g}/joined/{r}" for r in range(first, first + per)])}
+            for inc in (set(members) - met) or (set(members) - set(old)) or set(members):
+                ledger.request("lost", inc=inc, why=f"not in weight roster {g}: {e}")
+            raise
 
     def _run(self):
         if self.stream is not None:
             torch.cuda.set_device(self.sender.device)  # the thread's device: not always cuda:0
+        ledger = elastic.Client(self.cfg, self.store)
         while not self.closed:
             self.wake.wait(0.5)
             self.wake.clear()
             try:
-                if self.group.due(self.broken):
-                    self.broken, self.sender.pg = False, None
-                    # the new group gets the newest weights first
+                changed = self.live is not None and self.live != set(self.members)
+                if (self.broken or changed) and (self.live or self.members):
+                    self.broken = False
+                    # the new roster gets the newest weights first
                     self.fresh = bool(self.copy)
-                    self.sender.pg = self.group.form(self.version)
+                    self.sender.pg = self.form(ledger)
                 if self.fresh and self.members:
                     with self.lock, contextlib.ExitStack() as scope:
                         self.fresh = False
@@ -359,9 +407,9 @@ class WeightServer:
                             self.stream.synchronize()
             except ManifestError as e:  # the trainer's model is not the engines': stop
                 self.error = e
-            except Exception as e:  # noqa: BLE001 - a member is gone: re-form without it
-                print(f"[trainer] weight group {self.group.g}: {type(e).__name__}: {e}; forming a "
-                      "new one of the actors that are alive", flush=True)
+            except Exception as e:  # noqa: BLE001 - a member is gone: form a new roster
+                print(f"[trainer] weight roster {self.g}: {type(e).__name__}: {e}; forming a new "
+                      "one of the actors that are alive", flush=True)
                 self.broken = True
                 self.wake.set()
 
@@ -543,14 +591,38 @@ class StepClock:
             out.append((self.seconds(start), self.seconds(end), sequences))
         return out
 
+def clock_path(engine: int) -> str:
+    """Where engine `engine` of this actor process stamps its decode steps (DecodeClock)."""
+    return os.path.join(tempfile.gettempdir(), f"pipelinerl-{os.getpid()}-engine{engine}.clock")
+
+class DecodeClock:
+    """The wall time of an engine's last decode step, in 8 bytes of a file both processes map: its
+    workers stamp it after every step (a memory write, no system call), the actor reads it (its
+    hang check: vLLM's check_health sees a dead engine core, not a stopped one)."""
+
+    def __init__(self, path: str, create: bool = False):
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+        if create:
+            os.ftruncate(fd, 8)  # (never shorter: the workers of one engine share it)
+        self.map = mmap.mmap(fd, 8)
+        os.close(fd)
+
+    def stamp(self):
+        struct.pack_into("d", self.map, 0, time.time())
+
+    def last(self) -> float:
+        return struct.unpack_from("d", self.map)[0]
+
 class WeightUpdateExtension:
     """Mixed into every vLLM worker (`worker_extension_cls="weights_sync.WeightUpdateExtension"`).
     Only small scalars go through collective_rpc (tensors as RPC arguments arrive as lists),
     weights over the group."""
 
-    def init_weights_sync(self, host, port, timeout_s, track, run_dir=".", trace=False):
+    def init_weights_sync(self, host, port, timeout_s, track, run_dir=".", trace=False,
+                          clock=None):
         """Once, when the engine is up: the model made ready for updates in place, the checkpoint's
-        manifest to check them against, the decode steps timed."""
+        manifest to check them against, the decode steps timed and, with `clock` (a path), each
+        stamped on the engine's DecodeClock."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         if self.model_config.quantization:
             # an update copies the trainer's weights in place; a quantized layer would need them
@@ -574,6 +646,7 @@ class WeightUpdateExtension:
         tp_track = f".{self._ws_tp}" if get_tensor_model_parallel_world_size() > 1 else ""
         self._ws_events = common.Events(run_dir, f"{track}{tp_track}", trace)
         self._ws_clock = StepClock(torch.cuda.is_available())
+        self._ws_decode = DecodeClock(clock, create=True) if clock else None
         # The update bookkeeping (_ws_tick, _ws_account): the last update's stats; the clock's time
         # of the last decode step's end, of the previous receive, and of the end of the step before
         # an update until the next step starts (then the update's stall, reported with the next);
@@ -586,22 +659,22 @@ class WeightUpdateExtension:
         for name in ("execute_model", "sample_tokens"):
             setattr(self, name, self._ws_timed(getattr(self, name)))
 
-    def join_weight_group(self, g: int, rank_base: int, world_size: int, join_timeout_s: float):
-        """Leave the weight group this worker is in (if any) and join group g (formed by
-        elastic.Membership) as rank rank_base + its TP rank. A watcher thread shuts the new group
-        down the moment a later one is announced: a receive still waiting on it (its sender gone)
-        fails at once instead of after sync.timeout_s (NCCL: only an abort ends a wait on a peer
-        that left) -> the rank."""
+    def join_roster(self, g: int, rank_base: int, world_size: int, join_timeout_s: float):
+        """Leave the roster this worker is in (if any) and join roster g's process group
+        (WeightServer) as rank rank_base + its TP rank. A watcher thread shuts the new group down
+        the moment a later roster is formed: a receive still waiting on it (its sender gone) fails
+        at once instead of after sync.timeout_s (NCCL: only an abort ends a wait on a peer that
+        left) -> the rank."""
         abandon(self._ws_pg)
         rank = rank_base + self._ws_tp
         # a connection of its own: the group's rendezvous blocks on this worker's, meanwhile
         store = create_store(self._ws_store.host, self._ws_store.port, False, self._ws_timeout)
         self._ws_pg = init_group(self._ws_store, rank, world_size, "auto", self._ws_timeout,
-                                 f"weights/{g}", join_timeout_s, lambda: later_group(store, g))
+                                 f"weights/{g}", join_timeout_s, lambda: later_roster(store, g))
 
         def watch(pg):
             with contextlib.suppress(Exception):  # the engine shut down first
-                while not later_group(store, g):
+                while not later_roster(store, g):
                     time.sleep(0.5)
             abandon(pg)
         threading.Thread(target=watch, args=(self._ws_pg,), daemon=True).start()
@@ -624,6 +697,8 @@ class WeightUpdateExtension:
         """Account the decode work the device has finished: busy time, the stall of the last
         update (the gap from the last step before it to the first after), the timeline."""
         for start, end, sequences in self._ws_clock.finished():
+            if self._ws_decode is not None:
+                self._ws_decode.stamp()
             if self._ws_gap_from is not None:  # the first step after an update
                 self._ws_stall = start - self._ws_gap_from
                 self._ws_gap_from = None
@@ -711,7 +786,3 @@ class WeightUpdateExtension:
                              wire_s=self._ws_stats["wire_s"], load_s=self._ws_stats["load_s"])
         return self._ws_stats
 
-if __name__ == "__main__":
-    # python weights_sync.py [section.key=value ...]: the run's store (serve_store)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    serve_store(common.parse_argv())

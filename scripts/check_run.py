@@ -4,26 +4,27 @@
 
 One line per invariant, `check_run: <name>: ok (<figures>)` or `check_run: <name>: VIOLATED
 (<count>: <the first offending items>)`; exit status 1 on any violation, 2 when RUN_DIR holds no
-config.yaml. Read from the timeline that stays (scripts/rundir.py: every trainer rank's samples
-records, a restarted trainer's replacing the steps it redid):
+config.yaml. Read from two independent records: the trainer ranks' samples records (the timeline
+that stays: scripts/rundir.py, a restarted trainer's records replacing the steps it redid) and the
+ledger's journal, ledger.jsonl (elastic.py: every ticket issued, forwarded, trained, dropped and
+given back, and every hello).
 
-  lag     every trained token has 0 <= lag <= bound, lag = the trainer's version - the version that
-          sampled it; bound = actor.max_lag (pipeline), actor.G_steps - 1 (conventional: an RL
-          step's samples train G_steps versions)
-  steps   steps 1..N each once on every trainer rank of its epoch (N = the largest); a finished run
-          (trainer/done in metrics_trainer.jsonl) ends at its last step
-  groups  every trained group has actor.group_size samples, sample_idx 0..group_size-1 once each
-          (where recorded; else the count), across ranks, all in one step
-  ids     every group id below the largest trained one is trained or dropped by the verifier
-          (groups_dropped.jsonl), no copy both (a dropped id may be generated again in a later
-          cut, or by another incarnation once its dropper was lost): a cut generates the others
-          again (elastic.Ledger).
-          Untrained ids within K of the largest, or that an actor gave up at the run's end, are
-          still in flight at the end and only counted:
-          K = (max_lag + 2) * B / group_size (pipeline: the lag budget's groups and one step's
-          more), 2 * G_steps * B / group_size (conventional: two RL steps' groups). A skipped id
-          says where it went, when known: given up by an actor (metrics_actor.jsonl), or trained
-          only in steps a restarted trainer redid.
+  lag      every trained token has 0 <= lag <= bound, lag = the trainer's version - the version
+           that sampled it; bound = actor.max_lag (pipeline), actor.G_steps - 1 (conventional)
+  steps    steps 1..N each once on every trainer rank of its epoch; a finished run ends at its last
+  groups   judged by copy (ticket): every trained ticket has actor.group_size samples, sample_idx
+           0..group_size-1 once each, across ranks, all in one step; no group id trained by two
+           tickets
+  tickets  the journal's own books: every ticket issued once (numbering holds across a resume),
+           closed at most once (trained, dropped or given back), forwarded before it is trained;
+           and they agree with the trainer's: the tickets the journal says trained (in steps that
+           stay) are exactly those the samples records hold. Every sample started is then
+           trained, dropped, given back, or in flight at the end (counted)
+  ids      every group id below the largest trained is trained, dropped, or in flight when the
+           journal ends (held by an open ticket, or given back and not yet granted again)
+  stalls   no gap between two trainer steps over sync.timeout_s + run.hang_timeout_s +
+           run.restart_s (a hang found, its role started again), but across a resumed run's new
+           start
 
 Importable: check(run_dir) -> [(name, ok, detail)]; clause(run_dir), the verdict as
 scripts/launch.py's summary prints it.
@@ -35,8 +36,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.rundir import (read_dropped, read_given_up, read_jsonl,  # noqa: E402
-                            read_samples, timeline)
+from scripts.rundir import read_jsonl, read_samples, timeline  # noqa: E402
 
 SHOWN = 5  # offending items listed on a VIOLATED line
 
@@ -52,22 +52,18 @@ def verdict(name: str, problems: list, ok_detail: str) -> tuple:
 
 def where(r: dict, k: int) -> str:
     """Sample k of samples record r, as an item of a VIOLATED line."""
-    idx = f" sample {r['sample_idx'][k]}" if r["sample_idx"] is not None else ""
-    return f"step {r['step']} rank {r['rank']} group {r['group_ids'][k]}{idx}"
+    return f"step {r['step']} rank {r['rank']} ticket {r['tickets'][k]} sample {r['sample_idx'][k]}"
 
 
 def check_lag(kept: list, actor: dict) -> tuple:
     conventional = actor["schedule"] == "conventional"
     bound = actor["G_steps"] - 1 if conventional else actor["max_lag"]
     source = "actor.G_steps - 1" if conventional else "actor.max_lag"
-    tokens = 0
-    lags = set()
-    problems = []
+    tokens, lags, problems = 0, set(), []
     for r in kept:
-        version = r.get("trainer_version", r["step"] - 1)
         for k, runs in enumerate(r["version_runs"]):
             for v, n in runs:
-                lag = version - v
+                lag = r["trainer_version"] - v
                 tokens += n
                 lags.add(lag)
                 if not 0 <= lag <= bound:
@@ -100,94 +96,148 @@ def check_steps(kept: list, finished_at) -> tuple:
         problems.append(f"the run finished at step {finished_at}, its samples records end at "
                         f"step {last}")
     state = "finished" if finished_at is not None else "not finished"
-    return verdict("steps", problems,
-                   f"steps 1..{last} on {len(every_rank)} rank(s), {state}")
+    return verdict("steps", problems, f"steps 1..{last} on {len(every_rank)} rank(s), {state}")
 
 
-def trained_samples(records: list) -> dict:
-    """group id -> the sample_idx of each of its samples in `records` (None: not recorded)."""
-    samples = defaultdict(list)
-    for r in records:
-        idx = r["sample_idx"] or [None] * len(r["group_ids"])
-        for g, i in zip(r["group_ids"], idx):
-            samples[g].append(i)
-    return samples
-
-
-def check_groups(samples: dict, group_size: int, kept: list) -> tuple:
-    steps_of = defaultdict(set)
+def trained_tickets(kept: list) -> dict:
+    """ticket -> {"group": its group id, "steps": {step}, "idx": [sample_idx ...]} in `kept`."""
+    out = {}
     for r in kept:
-        for g in r["group_ids"]:
-            steps_of[g].add(r["step"])
-    problems = [f"group {g}: trained in steps {', '.join(map(str, sorted(steps_of[g])))} (want one)"
-                for g in sorted(steps_of) if len(steps_of[g]) > 1]
-    for g in sorted(samples):
-        got = samples[g]
-        if None in got:
-            if len(got) != group_size:
-                problems.append(f"group {g}: {len(got)} samples (want {group_size})")
-        elif sorted(got) != list(range(group_size)):
-            problems.append(f"group {g}: sample_idx {sorted(got)} (want 0..{group_size - 1} "
-                            "once each)")
-    n_samples = sum(len(got) for got in samples.values())
-    return verdict("groups", problems,
-                   f"{len(samples)} groups, {n_samples} samples, group_size {group_size}")
+        for g, k, i in zip(r["group_ids"], r["tickets"], r["sample_idx"]):
+            t = out.setdefault(k, {"group": g, "steps": set(), "idx": []})
+            t["steps"].add(r["step"])
+            t["idx"].append(i)
+    return out
 
 
-def check_ids(run_dir, kept: list, records: list, cfg: dict) -> tuple:
-    actor = cfg["actor"]
-    batch_size = cfg["trainer"]["batch_size"]
-    if actor["schedule"] == "conventional":
-        tail = 2 * actor["G_steps"] * batch_size // actor["group_size"]
-    else:
-        tail = (actor["max_lag"] + 2) * batch_size // actor["group_size"]
-    trained = set(trained_samples(kept))
-    top = max(trained, default=-1)
-    dropped = {d["group_id"]: d.get("reason", "?") for d in read_dropped(run_dir)}
-    # a group dropped in a cut (that cut's verifier held it), or by an incarnation since lost, may
-    # be generated again, in a later cut or by another incarnation: only the same copy is both
-    trained_in = defaultdict(set)
-    for r in kept:
-        for g, inc in zip(r["group_ids"], r.get("incs") or [None] * len(r["group_ids"])):
-            trained_in[g].add((r.get("cut"), inc))
-    dropped_in = defaultdict(set)
-    for d in read_dropped(run_dir):
-        dropped_in[d["group_id"]].add((d.get("cut"), d.get("inc")))
-    problems = [f"group {g} dropped ({dropped[g]}) and trained"
-                for g in sorted(trained & set(dropped)) if trained_in[g] & dropped_in[g]]
-    finished = read_given_up(run_dir, at_end=True)
-    skipped = [g for g in range(top + 1) if g not in trained and g not in dropped]
-    below_tail = [g for g in skipped if g <= top - tail and g not in finished]
-    # where a skipped id went, when the run's files say
-    given_up = read_given_up(run_dir)
-    kept_ids = {id(r) for r in kept}
-    superseded = set(trained_samples([r for r in records if id(r) not in kept_ids]))
-    for g in below_tail:
-        fate = ""
-        if g in given_up:
-            fate = " (given up by an actor)"
-        elif g in superseded:
-            fate = " (trained only in steps a restarted trainer redid)"
-        problems.append(f"id {g} neither trained nor dropped{fate}")
-    n_dropped = sum(g in dropped for g in range(top + 1))
-    return verdict("ids", problems,
-                   f"ids 0..{top}: {len(trained)} trained, {n_dropped} dropped, "
-                   f"{len(skipped) - len(below_tail)} in flight at the end (the last {tail} ids)")
+def check_groups(trained: dict, group_size: int) -> tuple:
+    problems, by_group = [], defaultdict(list)
+    for k, t in sorted(trained.items()):
+        by_group[t["group"]].append(k)
+        if len(t["steps"]) > 1:
+            problems.append(f"ticket {k}: trained in steps {sorted(t['steps'])} (want one)")
+        if sorted(t["idx"]) != list(range(group_size)):
+            problems.append(f"ticket {k} (group {t['group']}): sample_idx {sorted(t['idx'])} "
+                            f"(want 0..{group_size - 1} once each)")
+    problems += [f"group {g} trained by tickets {tickets} (want one)"
+                 for g, tickets in sorted(by_group.items()) if len(tickets) > 1]
+    n = sum(len(t["idx"]) for t in trained.values())
+    return verdict("groups", problems, f"{len(trained)} tickets, {n} samples, group_size "
+                   f"{group_size}")
+
+
+def replay(journal: list) -> dict:
+    """The journal, replayed: every ticket's group and events, the trained events, where each
+    trainer epoch resumed, the ids waiting to be granted again at the end, and the problems the
+    journal shows by itself (a number twice, a ticket closed twice or never issued)."""
+    tickets, trained, resumed, problems = {}, [], {}, []
+    redo, incs = set(), Counter()
+    for e in journal:
+        kind = e.get("event")
+        if kind == "hello" and e.get("role") == "actor":
+            incs[e["inc"]] += 1
+        if kind == "hello" and e.get("role") == "trainer":
+            resumed[e["epoch"]] = e["step"]
+            redo = set(e.get("redo", []))
+        if kind == "issued":
+            if e["ticket"] in tickets:
+                problems.append(f"ticket {e['ticket']} issued twice")
+            tickets[e["ticket"]] = {"group": e["group"], "events": [], "epoch": e["epoch"]}
+            redo.discard(e["group"])
+            continue
+        if kind == "forwarded":
+            named = [k for k, _ in e["tickets"]]
+        elif kind in ("trained", "given_back"):
+            named = e["tickets"]
+        elif kind == "dropped":
+            named = [e["ticket"]]
+        else:
+            continue
+        for k in named:
+            if k not in tickets:
+                problems.append(f"ticket {k} {kind} but never issued")
+                continue
+            t = tickets[k]
+            closed = [x for x in t["events"] if x != "forwarded"]
+            if kind != "forwarded" and closed:
+                problems.append(f"ticket {k} {kind} after {closed[0]}")
+            if kind == "trained" and "forwarded" not in t["events"]:
+                problems.append(f"ticket {k} trained but never forwarded")
+            t["events"].append(kind)
+            if kind == "given_back":
+                redo.add(t["group"])
+        if kind == "trained":
+            trained.append(e)
+    problems += [f"actor incarnation {i} said hello {n} times" for i, n in incs.items() if n > 1]
+    return {"tickets": tickets, "trained": trained, "resumed": resumed, "redo": redo,
+            "problems": problems}
+
+
+def superseded(event: dict, resumed: dict) -> bool:
+    """A trained event of an epoch that a later trainer epoch resumed before (from a step below the
+    version it made): its step is not in the timeline that stays."""
+    return any(epoch > event["epoch"] and step < event["version"]
+               for epoch, step in resumed.items())
+
+
+def check_tickets(books: dict, trained: dict) -> tuple:
+    problems = list(books["problems"])
+    said = {k for e in books["trained"] if not superseded(e, books["resumed"]) for k in e["tickets"]}
+    problems += [f"ticket {k} trained (samples records) but not in the journal"
+                 for k in sorted(set(trained) - said)]
+    problems += [f"ticket {k} trained (journal) but in no samples record that stays"
+                 for k in sorted(said - set(trained))]
+    fates = Counter(t["events"][-1] if t["events"] else "open" for t in books["tickets"].values())
+    fates["open"] += fates.pop("forwarded", 0)  # forwarded and neither trained nor lost: open
+    shown = ", ".join(f"{fates[k]} {k}" for k in ("trained", "dropped", "given_back", "open"))
+    return verdict("tickets", problems, f"{len(books['tickets'])} issued: {shown} (in flight at "
+                   "the end)")
+
+
+def check_ids(books: dict, trained: dict) -> tuple:
+    done = {t["group"] for t in trained.values()}
+    dropped = {t["group"] for t in books["tickets"].values() if t["events"][-1:] == ["dropped"]}
+    waiting = {t["group"] for t in books["tickets"].values()
+               if not t["events"] or t["events"][-1] == "forwarded"} | books["redo"]
+    top = max(done, default=-1)
+    problems = [f"id {g} neither trained nor dropped, nor in flight at the end"
+                for g in range(top + 1) if g not in done | dropped | waiting]
+    in_flight = sum(g in waiting and g not in done | dropped for g in range(top + 1))
+    return verdict("ids", problems, f"ids 0..{top}: {len(done)} trained, "
+                   f"{len(dropped & set(range(top + 1)) - done)} dropped, {in_flight} in flight "
+                   "at the end")
+
+
+def check_stalls(run_dir: Path, cfg: dict, journal: list) -> tuple:
+    bound = cfg["sync"]["timeout_s"] + cfg["run"]["hang_timeout_s"] + cfg["run"]["restart_s"]
+    steps = [r["time"] for r in read_jsonl(run_dir / "metrics_trainer.jsonl")
+             if "trainer/loss" in r]
+    starts = [e["time"] for e in journal if e.get("event") == "start"]
+    gaps = [(b - a, a) for a, b in zip(steps, steps[1:])
+            if not any(a < s < b for s in starts)]  # a resumed run's new start: not a stall
+    problems = [f"{gap:.1f} s without a step after {a - steps[0]:.0f} s" for gap, a in gaps
+                if gap > bound]
+    longest = max(gaps, default=(0.0, 0))[0]
+    return verdict("stalls", problems, f"longest {longest:.1f} s between steps, bound {bound:.0f}"
+                   " s (sync.timeout_s + run.hang_timeout_s + run.restart_s)")
 
 
 def check(run_dir) -> list:
-    """[(name, ok, detail)] for lag, steps, groups and ids (the module's docstring); raises
-    FileNotFoundError when run_dir holds no config.yaml."""
+    """[(name, ok, detail)] for the invariants of the module's docstring; raises FileNotFoundError
+    when run_dir holds no config.yaml."""
     run_dir = Path(run_dir)
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    records = read_samples(run_dir)
-    kept = timeline(records)
+    kept = timeline(read_samples(run_dir))
     metrics = read_jsonl(run_dir / "metrics_trainer.jsonl")
     finished_at = metrics[-1]["step"] if metrics and "trainer/done" in metrics[-1] else None
+    journal = read_jsonl(run_dir / "ledger.jsonl")
+    trained, books = trained_tickets(kept), replay(journal)
     return [check_lag(kept, cfg["actor"]),
             check_steps(kept, finished_at),
-            check_groups(trained_samples(kept), cfg["actor"]["group_size"], kept),
-            check_ids(run_dir, kept, records, cfg)]
+            check_groups(trained, cfg["actor"]["group_size"]),
+            check_tickets(books, trained),
+            check_ids(books, trained),
+            check_stalls(run_dir, cfg, journal)]
 
 
 def clause(run_dir) -> str:

@@ -35,10 +35,11 @@ from scripts.throughput_model import n_cores, r_pipeline  # noqa: E402
 # --- checks before any process starts: the model and this node's GPUs ---------------------------------
 
 def node_roles(cfg) -> list:
-    """The roles run.sh starts on node NODE_RANK of NNODES, in this order: node 0 the run's store and the
-    verifier, nodes below trainer.nnodes the trainer, every further node one actor (a single node runs all)."""
+    """The roles run.sh starts on node NODE_RANK of NNODES, in this order: node 0 the run's store (with
+    the ledger and the node's watchdog) and the verifier, every other node its watchdog, nodes below
+    trainer.nnodes the trainer, every further node one actor (a single node runs all)."""
     nnodes, rank = int(os.environ.get("NNODES", "1")), int(os.environ.get("NODE_RANK", "0"))
-    return [role for role, here in (("store", rank == 0), ("verifier", rank == 0),
+    return [role for role, here in (("store", rank == 0), ("watch", rank > 0), ("verifier", rank == 0),
                                     ("trainer", rank < cfg.trainer.nnodes),
                                     ("actor", rank >= cfg.trainer.nnodes or nnodes == 1)) if here]
 
@@ -233,7 +234,7 @@ def shell(overrides: list, visible=None) -> str:
     lines += [f"ROLES=({' '.join(roles)})", f"GPU_OVERRIDES=({' '.join(map(shlex.quote, gpu_overrides))})"]
     # OMP_NUM_THREADS of each role: one thread per core of its list (an empty list: one)
     lines.append("declare -A THREADS=(" + " ".join(f"[{r}]={len(common.cpu_set(getattr(cfg, r).cpu_cores)) or 1}"
-                                                  for r in ("verifier", "trainer", "actor")) + " [store]=1)")
+                                                  for r in ("verifier", "trainer", "actor")) + " [store]=1 [watch]=1)")
     return "\n".join(lines)
 
 
