@@ -208,6 +208,8 @@ def _rules(cfg: Config):
            "would give up before the peer is started again")
     yield (r.heartbeat_timeout_s < 1, f"run.heartbeat_timeout_s={r.heartbeat_timeout_s:g}: "
            "must be at least 1 s (an actor asks the ledger every 0.25 s at most)")
+    yield (r.hang_timeout_s < 5, f"run.hang_timeout_s={r.hang_timeout_s:g}: must be at least 5 s "
+           "(a role re-arms its watchdog at most once a second, which looks once a second)")
     # Ports: run.sh's torchrun listens on sync.port+1 for its rendezvous.
     ports = {"sync.port": cfg.sync.port, "sync.port+1": cfg.sync.port + 1,
              "ports.rollouts": cfg.ports.rollouts, "ports.samples": cfg.ports.samples,

@@ -286,7 +286,8 @@ class Ledger:
         self.next_group = max([self.next_group, r["done_below"], *(g + 1 for g in done)])
         self.redo = [g for g in range(r["done_below"], self.next_group) if g not in done]
         self.dropped = []
-        self.note("hello", role="trainer", epoch=self.epoch, step=r["step"], redo=self.redo)
+        self.note("hello", role="trainer", epoch=self.epoch, step=r["step"], redo=self.redo,
+                  next=self.next_group)
         return {"epoch": self.epoch, "forwards": sorted(self.forwards.items())}
 
     def report(self, r) -> dict:

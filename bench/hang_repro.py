@@ -9,7 +9,8 @@ happened, for before/after comparisons of the fault layer.
 trainer0 (trainer rank 0). Reported (and written as JSON to --out): the last step before the stop,
 steps made in the watch window and the longest gap between steps in it, the lines of run.sh's
 log that say a role exited or was started again, and every line of the run's logs that mentions
-the stopped process's pid or the words "hung", "no progress" or "no decode step".
+the words "hung", "no progress", "no decode step", "lost", "killed" or "exited" (vLLM's own
+lines and the metrics lines left out).
 """
 import argparse
 import json
@@ -51,7 +52,8 @@ def find(target: str, run_dir: Path):
         if target in ("engine", "actor") and any(c.endswith("actor.py") for c in cmd[1:3]):
             if target == "actor":
                 return p
-            return p.children(recursive=True)[0]
+            return next(c for c in p.children(recursive=True)
+                        if "EngineCore" in c.name() + " ".join(c.cmdline()))
         if target == "verifier" and any(c.endswith("verifier.py") for c in cmd[1:3]):
             return p
         if target == "trainer0" and not launcher and any(c.endswith("trainer.py") for c in cmd[1:3]):
@@ -93,11 +95,11 @@ def main(argv=None):
             time.sleep(0.5)
         after = [(t, s) for t, s in steps(run_dir) if t > t_stop]
         edges = [t_stop] + [t for t, _ in after] + [min(time.time(), t_stop + a.watch)]
-        words = ("hung", "no progress", "no decode step", str(stopped.pid))
+        words = ("hung", "no progress", "no decode step", "lost", "killed", "exited")
         named = []
         for path in sorted((run_dir / "logs").glob("*.log")):
             for line in path.read_text(errors="replace").splitlines():
-                if any(w in line for w in words):
+                if any(w in line for w in words) and "pid=" not in line and "step " not in line:
                     named.append(f"{path.name}: {line.strip()[:300]}")
         runsh = [line.strip() for line in log.read_text(errors="replace").splitlines()
                  if "exited" in line or "FAILED" in line or "starting it again" in line]

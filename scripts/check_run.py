@@ -21,7 +21,9 @@ given back, and every hello).
            stay) are exactly those the samples records hold. Every sample started is then
            trained, dropped, given back, or in flight at the end (counted)
   ids      every group id below the largest trained is trained, dropped, or in flight when the
-           journal ends (held by an open ticket, or given back and not yet granted again)
+           journal ends (held by an open ticket, or given back and not yet granted again: the
+           ledger grants those first, smallest first, and `tickets` checks it did); within one
+           trainer epoch no id is both dropped and trained
   stalls   no gap between two trainer steps over sync.timeout_s + run.hang_timeout_s +
            run.restart_s (a hang found, its role started again), but across a resumed run's new
            start
@@ -131,17 +133,24 @@ def replay(journal: list) -> dict:
     trainer epoch resumed, the ids waiting to be granted again at the end, and the problems the
     journal shows by itself (a number twice, a ticket closed twice or never issued)."""
     tickets, trained, resumed, problems = {}, [], {}, []
-    redo, incs = set(), Counter()
+    redo, incs, fresh = set(), Counter(), 0  # (fresh: the next new id the ledger may grant)
     for e in journal:
         kind = e.get("event")
         if kind == "hello" and e.get("role") == "actor":
             incs[e["inc"]] += 1
         if kind == "hello" and e.get("role") == "trainer":
             resumed[e["epoch"]] = e["step"]
-            redo = set(e.get("redo", []))
+            redo, fresh = set(e["redo"]), e["next"]
         if kind == "issued":
             if e["ticket"] in tickets:
                 problems.append(f"ticket {e['ticket']} issued twice")
+            if redo and e["group"] != min(redo):  # the ids given back go first, smallest first
+                problems.append(f"ticket {e['ticket']} got id {e['group']} while id {min(redo)} "
+                                "waited to be granted again")
+            elif not redo and e["group"] != fresh:  # else the next new one
+                problems.append(f"ticket {e['ticket']} got id {e['group']}, not the next new id "
+                                f"{fresh}")
+            fresh = max(fresh, e["group"] + 1)
             tickets[e["ticket"]] = {"group": e["group"], "events": [], "epoch": e["epoch"]}
             redo.discard(e["group"])
             continue
@@ -197,11 +206,18 @@ def check_tickets(books: dict, trained: dict) -> tuple:
 def check_ids(books: dict, trained: dict) -> tuple:
     done = {t["group"] for t in trained.values()}
     dropped = {t["group"] for t in books["tickets"].values() if t["events"][-1:] == ["dropped"]}
+    # by copy: within one trainer epoch an id is trained or dropped, not both (across a restart
+    # an id dropped after the checkpoint may be generated again and trained)
+    trained_in = {(t["group"], books["tickets"][k]["epoch"]) for k, t in trained.items()
+                  if k in books["tickets"]}
+    both = [f"id {t['group']} dropped (ticket {k}) and trained in epoch {t['epoch']}"
+            for k, t in books["tickets"].items()
+            if t["events"][-1:] == ["dropped"] and (t["group"], t["epoch"]) in trained_in]
     waiting = {t["group"] for t in books["tickets"].values()
                if not t["events"] or t["events"][-1] == "forwarded"} | books["redo"]
     top = max(done, default=-1)
-    problems = [f"id {g} neither trained nor dropped, nor in flight at the end"
-                for g in range(top + 1) if g not in done | dropped | waiting]
+    problems = both + [f"id {g} neither trained nor dropped, nor in flight at the end"
+                       for g in range(top + 1) if g not in done | dropped | waiting]
     in_flight = sum(g in waiting and g not in done | dropped for g in range(top + 1))
     return verdict("ids", problems, f"ids 0..{top}: {len(done)} trained, "
                    f"{len(dropped & set(range(top + 1)) - done)} dropped, {in_flight} in flight "
