@@ -375,32 +375,6 @@ class ActorState:
     # since the last log line: name -> values (Actor.note)
     window: dict = field(default_factory=dict)
 
-def admit(cfg, outstanding: int, t: int, u_min: int, version: int) -> bool:
-    """May one more group of group_size samples start without any token exceeding actor.max_lag?
-    The ledger asks, before each ticket it grants, with every actor's groups: one budget for the
-    run (elastic.Ledger.admits).
-
-    outstanding: samples granted and neither trained nor given back; t: the trainer's version,
-    reported together with the samples it trained (the two move together); u_min: the oldest
-    version a group not yet forwarded by the verifier started with, the new one's (`version`)
-    included. Admit while outstanding + group_size <= (u_min - t + max_lag + 1) * B.
-    Why: the trainer trains B samples a step, whole groups in the order the verifier forwards them
-    (trainer.whole_groups). Take a group G started at version u, and the last admission before the
-    verifier forwarded G, at trainer version t* (u_min* <= u there: G was not yet forwarded).
-    Every sample trained before G was trained by then or outstanding then, so G is among the first
-    (t* - S) * B + (u_min* - t* + max_lag + 1) * B samples of the trainer's epoch (started at
-    version S): trained by version u_min* + max_lag <= u + max_lag, and its tokens were sampled by
-    versions >= u. Nothing stalls: once the groups in flight are forwarded, u_min is the newest
-    version and the budget covers the trainer's next step. Several actors share the bound: a
-    slow one's old group holds every actor's admission, as it must.
-    Conventional: B*G_steps samples per RL step (fewer for the first after resuming mid-RL-step),
-    all with the RL step's weights (version t - t % G_steps), then wait for the next weights."""
-    a, gs, b = cfg.actor, cfg.actor.group_size, cfg.trainer.batch_size
-    if a.schedule == "conventional":
-        rl_step_weights = version >= t - t % a.G_steps
-        return rl_step_weights and outstanding + gs <= (a.G_steps - t % a.G_steps) * b
-    return outstanding + gs <= (u_min - t + a.max_lag + 1) * b
-
 def least_loaded(st: ActorState, engines: int) -> int:
     """The engine with the fewest training samples in flight."""
     return min(range(engines), key=lambda e: sum(g.left for g in st.groups.values() if g.engine == e))
@@ -424,7 +398,7 @@ class Actor:
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
         self.pushing = asyncio.Lock()  # a group's attempts go out back to back
-        self.ledger = elastic.Client(cfg, store, asynchronous=True)
+        self.ledger = elastic.Client(cfg, store)
         self.asked = 0.0  # when the ledger was last asked (`admit_groups`)
         # what the next request reports: groups pushed [ticket, verifier], dropped [ticket, why]
         self.reports = {"pushed": [], "drop": []}
@@ -490,7 +464,7 @@ class Actor:
 
     async def hello(self):
         """This incarnation, the ledger's; the trainer takes it into its next weight roster."""
-        reply = await self.ledger.arequest("actor_hello", pid=os.getpid(), host=os.uname().nodename)
+        reply = self.ledger.request("actor_hello", pid=os.getpid(), host=os.uname().nodename)
         self.st.inc, self.st.verifier, self.st.roster = reply["inc"], reply["verifier"], None
         self.waiting_since = time.time()
         print(f"[actor] process {self.proc}: incarnation {self.st.inc}, waiting for a weight "
@@ -702,7 +676,7 @@ class Actor:
             return self.blocked
         self.asked = now
         sent, self.reports = self.reports, {"pushed": [], "drop": []}
-        reply = await self.ledger.arequest("tickets", inc=st.inc, epoch=st.epoch,
+        reply = self.ledger.request("tickets", inc=st.inc, epoch=st.epoch,
                                            version=st.version, want=want, **sent)
         if reply["lost"]:  # its groups were given back: it comes back as a new incarnation
             await self.cancel_all()

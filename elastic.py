@@ -75,10 +75,8 @@ class Client:
     """A role's line to the ledger (ZMQ REQ; one per thread). A reply is waited for while the run's
     store answers, looked at every second: the store gone raises DistNetworkError (`store_lost`)."""
 
-    def __init__(self, cfg, store, asynchronous: bool = False):
-        import zmq.asyncio
-        context = zmq.asyncio.Context.instance() if asynchronous else zmq.Context.instance()
-        self.sock, self.store = context.socket(zmq.REQ), store
+    def __init__(self, cfg, store):
+        self.sock, self.store = zmq.Context.instance().socket(zmq.REQ), store
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(common.zmq_addr(cfg.ports.host, cfg.ports.ledger))
 
@@ -87,13 +85,6 @@ class Client:
         while not self.sock.poll(1000):
             check_store(self.store)
         return self._reply(self.sock.recv())
-
-    async def arequest(self, kind: str, **fields) -> dict:
-        """`request` from an asyncio loop (the actor's): the loop goes on while it waits."""
-        await self.sock.send(json.dumps({"op": kind, **fields}).encode())
-        while not await self.sock.poll(1000):
-            check_store(self.store)
-        return self._reply(await self.sock.recv())
 
     @staticmethod
     def _reply(frame: bytes) -> dict:
@@ -190,8 +181,8 @@ class Ledger:
         return {"inc": inc, "verifier": self.verifier}
 
     def tickets(self, r) -> dict:
-        """Its pushes and drops are noted; then tickets, while `actor.admit` allows one more
-        group. An incarnation counted lost is told so (it cancels everything and says hello)."""
+        """Its pushes and drops are noted; then tickets, while `admit` allows one more group. An
+        incarnation counted lost is told so (it cancels everything and says hello)."""
         inc = r["inc"]
         if inc not in self.actors:
             return {"lost": True}
@@ -206,17 +197,37 @@ class Ledger:
             self.drop(k, why)
         granted = []
         # only with the current trainer epoch's weights (a restarted trainer's versions start over)
-        while r["epoch"] == self.epoch and len(granted) < r["want"] and self.admits(r["version"]):
+        while r["epoch"] == self.epoch and len(granted) < r["want"] and self.admit(r["version"]):
             granted.append(self.grant(inc, r["version"]))
         return {"lost": False, "tickets": granted, "verifier": self.verifier}
 
-    def admits(self, version: int) -> bool:
-        """actor.admit over every actor's open tickets: one budget for the run."""
-        from actor import admit  # the paper's step reads in actor.py
-        outstanding = self.cfg.actor.group_size * len(self.open)
-        u_min = min([t.version for t in self.open.values() if t.state != "forwarded"]
-                    + [version])
-        return admit(self.cfg, outstanding, self.version, u_min, version)
+    def admit(self, version: int) -> bool:
+        """May one more group of group_size samples start, with the weights of `version`, without
+        any token exceeding actor.max_lag? One budget for the run, every actor's groups in it.
+
+        outstanding: samples granted and neither trained nor given back; t: the trainer's version,
+        reported together with the samples it trained (the two move together); u_min: the oldest
+        version a group not yet forwarded by the verifier started with, the new one included.
+        Admit while outstanding + group_size <= (u_min - t + max_lag + 1) * B.
+        Why: the trainer trains B samples a step, whole groups in the order the verifier forwards
+        them (trainer.whole_groups). Take a group G started at version u, and the last admission
+        before the verifier forwarded G, at trainer version t* (u_min* <= u then: G was not yet
+        forwarded). Every sample trained before G was trained by then or outstanding then, so G is
+        among the first (t* - S) * B + (u_min* - t* + max_lag + 1) * B samples of the trainer's
+        epoch (started at version S): trained by version u_min* + max_lag <= u + max_lag, and its
+        tokens were sampled by versions >= u. Nothing stalls: once the groups in flight are
+        forwarded, u_min is the newest version and the budget covers the trainer's next step. A
+        slow actor's old group holds every actor's admission, as it must.
+        Conventional: B*G_steps samples per RL step (fewer for the first after resuming
+        mid-RL-step), all with the RL step's weights (version t - t % G_steps), then none until
+        the next RL step's weights."""
+        a, gs, b, t = self.cfg.actor, self.cfg.actor.group_size, self.cfg.trainer.batch_size, self.version
+        outstanding = gs * len(self.open)
+        if a.schedule == "conventional":
+            rl_step_weights = version >= t - t % a.G_steps
+            return rl_step_weights and outstanding + gs <= (a.G_steps - t % a.G_steps) * b
+        u_min = min([k.version for k in self.open.values() if k.state != "forwarded"] + [version])
+        return outstanding + gs <= (u_min - t + a.max_lag + 1) * b
 
     def grant(self, inc: int, version: int) -> list:
         group = heapq.heappop(self.redo) if self.redo else self.next_group

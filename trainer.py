@@ -917,7 +917,8 @@ def main():
 
     # --- weight roster (trainer rank 0 + every live actor's workers): this version first ---
     if is_main():
-        server = weights_sync.WeightServer(cfg, state.step, device, state.epoch, state.progress)
+        server = weights_sync.WeightServer(cfg, state.step, device, state.epoch,
+                                           lambda: elastic.Client(cfg, store), state.progress)
     send_weights(state, server, store, cfg, wait=True)
 
     # --- samples: each rank pulls its own share from the verifier ---

@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 import common
-import elastic
 
 _ALIGN = 64  # byte alignment of a tensor inside a bucket (any dtype view stays aligned)
 
@@ -257,7 +256,7 @@ class WeightServer:
     copy this server holds: a (re)joining actor gets the newest weights first.
     Memory: one full copy of the weights, written by `send` while no broadcast reads it."""
 
-    def __init__(self, cfg, version: int, device, epoch: int, progress=None):
+    def __init__(self, cfg, version: int, device, epoch: int, ledger, progress=None):
         sync, self.cfg, self.version, self.epoch = cfg.sync, cfg, version, epoch
         # its own connection: the broadcast's announcements and the rosters
         self.store = create_store(sync.host, sync.port, False, cfg.run.peer_timeout_s)
@@ -274,7 +273,9 @@ class WeightServer:
         self.closed = False
         # the roster: its number, members (actor incarnation -> first rank); the ledger's live ones
         self.g, self.members, self.live = 0, {}, None
-        self.progress = progress  # the trainer's watchdog timer: a wait on the actors re-arms it
+        # a new line to the ledger for each thread (elastic.Client); the trainer's watchdog timer,
+        # which a wait on the actors re-arms
+        self.ledger, self.progress = ledger, progress
         self.wake = threading.Event()  # set on a new copy, and on a change of the live actors
         # a trainer that died between counting its last announcement and setting it left a gap
         # the actors would wait on for ever
@@ -346,7 +347,7 @@ class WeightServer:
     def _watch(self):
         """The live actors, every 0.5 s, on a ledger line of its own; a lost member's roster is
         given up at once (NCCL's answer to a lost member too: abort the communicator)."""
-        ledger = elastic.Client(self.cfg, self.store)
+        ledger = self.ledger()
         while not self.closed:
             self.live = set(ledger.request("members")["live"])
             if set(self.members) - self.live:
@@ -385,7 +386,7 @@ class WeightServer:
     def _run(self):
         if self.stream is not None:
             torch.cuda.set_device(self.sender.device)  # the thread's device: not always cuda:0
-        ledger = elastic.Client(self.cfg, self.store)
+        ledger = self.ledger()
         while not self.closed:
             self.wake.wait(0.5)
             self.wake.clear()

@@ -53,21 +53,64 @@ def receive_weights(pg, expected=None):
     return header["version"], {n: t.clone() for n, t in weights_sync.iter_tensors(pg, header)}
 
 
-class FakeActor:
-    """An actor as the trainer's WeightServer sees it, in threads of this process (no vLLM): it registers an
-    incarnation (`inc`), beats (alive/<inc>), joins each weight group that takes it in (one engine), receives
-    every version announced to it (`updates`: [(version, {name: tensor})]) and acknowledges "done" (`done`). `cut`: its group's cut,
-    which the samples it makes carry (trainer.take_batch discards others)."""
+class Owner:
+    """Node 0's owner process as run.sh starts it (`python elastic.py`: the run's store, the ledger, the
+    node's watchdog), on free ports: `overrides` for the roles, a `store` and a `ledger` client, `journal()`
+    (the ledger's records). `open_epoch()` says hello as trainer rank 0 and as one actor; `tickets(n)` asks
+    for n tickets as that actor -> [(ticket, group id)]."""
 
-    def __init__(self, store_port: int, timeout_s: float = 120, clock_skew_s: float = 0.0):
-        import threading
+    def __init__(self, run_dir, *overrides):
+        import subprocess
+        import common
+        import elastic
         import weights_sync
-        self.port, self.timeout_s, self.skew = store_port, timeout_s, clock_skew_s
-        self.store = weights_sync.create_store("127.0.0.1", store_port, False, timeout_s)
-        self.updates, self.cut, self.error = [], None, None
+        self.run_dir = Path(run_dir)
+        # (the test's actor speaks only when it asks for tickets: not counted lost for its silence)
+        self.overrides = [f"run.dir={run_dir}", f"sync.port={free_port()}", f"ports.ledger={free_port()}",
+                          "run.heartbeat_timeout_s=600", *overrides]
+        self.cfg = common.load_config(self.overrides)
+        self.log = open(self.run_dir / "owner.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "elastic.py"), *self.overrides], cwd=REPO,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.store = weights_sync.create_store("127.0.0.1", self.cfg.sync.port, False, 60)
+        self.ledger = elastic.Client(self.cfg, self.store)
+        self.inc, self.epoch = None, None
+
+    def open_epoch(self, step=0):
+        self.epoch = self.ledger.request("trainer_hello", epoch=0, step=step, done_below=0,
+                                         done_above=[])["epoch"]
+        self.inc = self.ledger.request("actor_hello", pid=os.getpid(), host="test")["inc"]
+
+    def tickets(self, n, version=0, **reports):
+        reply = self.ledger.request("tickets", inc=self.inc, epoch=self.epoch, version=version, want=n,
+                                    pushed=reports.get("pushed", []), drop=reports.get("drop", []))
+        return [tuple(t) for t in reply["tickets"]]
+
+    def journal(self) -> list:
+        return read_jsonl(self.run_dir / "ledger.jsonl")
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
+class FakeActor:
+    """An actor as the trainer's WeightServer sees it, in threads of this process (no vLLM): it says hello to
+    the ledger (`inc`), asks it for nothing every 0.2 s (it is alive), joins each weight roster that takes it in
+    (one engine), receives every version announced to it (`updates`: [(version, {name: tensor})]) and
+    acknowledges "done" (`done`). `epoch`: its roster's trainer epoch. `lost`: the ledger counted it lost."""
+
+    def __init__(self, cfg, timeout_s: float = 120):
+        import threading
+        import elastic
+        import weights_sync
+        self.cfg, self.timeout_s = cfg, timeout_s
+        self.store = weights_sync.create_store("127.0.0.1", cfg.sync.port, False, timeout_s)
+        self.updates, self.epoch, self.error, self.lost = [], None, None, False
         self.done = threading.Event()
         self.first = int(self.store.add("announced", 0)) + 1
-        self.inc = int(self.store.add("actor/incarnations", 1))
+        self.inc = elastic.Client(cfg, self.store).request("actor_hello", pid=os.getpid(), host="fake")["inc"]
         threading.Thread(target=self._beat, daemon=True).start()
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -77,10 +120,13 @@ class FakeActor:
 
     def _beat(self):
         import time
+        import elastic
         import weights_sync
-        beats = weights_sync.create_store("127.0.0.1", self.port, False, self.timeout_s)
+        ledger = elastic.Client(self.cfg, weights_sync.create_store("127.0.0.1", self.cfg.sync.port, False,
+                                                                    self.timeout_s))
         while not self.done.is_set():
-            beats.set(f"alive/{self.inc}", f"{time.time() + self.skew:.1f}")  # its host's clock
+            reply = ledger.request("tickets", inc=self.inc, epoch=-1, version=-1, want=0, pushed=[], drop=[])
+            self.lost = self.lost or reply["lost"]
             time.sleep(0.2)
 
     def _run(self):
@@ -96,14 +142,14 @@ class FakeActor:
                 if value == "done":
                     self.store.add("done_ack", 1)
                     return
-                if value.startswith("group "):
+                if value.startswith("roster "):
                     g = int(value.split()[1])
-                    info = json.loads(self.store.get(f"group/{g}"))
+                    info = json.loads(self.store.get(f"roster/{g}"))
                     if str(self.inc) in info["members"]:
                         pg = weights_sync.init_group(self.store, info["members"][str(self.inc)],
                                                      1 + len(info["members"]), "gloo", 60, f"weights/{g}")
-                        self.cut = info["cut"]
-                elif pg is not None:
+                        self.epoch = info["epoch"]
+                elif pg is not None and value != "skip":
                     self.updates.append(receive_weights(pg))
         except Exception as e:  # noqa: BLE001 - the test reads it
             self.error = e

@@ -17,7 +17,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-import actor  # noqa: E402
 import common  # noqa: E402
 import elastic  # noqa: E402
 import trainer  # noqa: E402
@@ -76,8 +75,6 @@ def test_the_lag_budget_hand_worked(tmp_path):
     ask(ledger, "forward", verifier=1, forward=done, drop=[])
     ask(ledger, "report", epoch=1, version=1, trained=done[:4], lost=[])
     assert len(tickets(ledger, 1, version=1, want=10)) == 4  # 8 outstanding + 8 <= (1-1+2)*8
-    assert actor.admit(ledger.cfg, outstanding=14, t=0, u_min=0, version=0)
-    assert not actor.admit(ledger.cfg, outstanding=15, t=0, u_min=0, version=0)
 
 
 def test_a_group_not_yet_forwarded_holds_u_min_for_every_actor(tmp_path):

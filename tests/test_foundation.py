@@ -127,7 +127,7 @@ def test_wandb_offline_mirror(tmp_path, monkeypatch):
 
 def _rollout(n=5):
     header = {"group_id": 3, "sample_idx": 1, "group_size": 8, "task": "arithmetic", "answer": "42",
-              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "inc": 1, "cut": 1, "eval": False}
+              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "ticket": 1, "epoch": 1, "eval": False}
     arrays = {"prompt_ids": np.arange(4, dtype=np.int32), "completion_ids": np.arange(n, dtype=np.int32),
               "logprobs": -np.ones(n, dtype=np.float32), "versions": np.zeros(n, dtype=np.int32)}
     return header, arrays
@@ -142,7 +142,7 @@ def test_wire_roundtrip_over_zmq():
     push.connect(f"tcp://127.0.0.1:{port}")
     h, a = _rollout()
     send(push, h, a)
-    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5, "seq": 0, "verifier": 1, "order": 0}
+    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5, "verifier": 1, "order": 0}
     send(push, sample, a)
     h2, a2 = recv(pull, "rollout")
     h3, a3 = recv(pull, "sample")
@@ -184,7 +184,7 @@ def test_wire_malformed_raises_wire_error_only():
             pytest.fail(name)
     with pytest.raises(WireError, match="missing field 'reward'"):
         common.decode(good, "sample")
-    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5, "seq": 0, "verifier": 1, "order": 0}
+    sample = {**h, "reward": 1.0, "status": "correct", "advantage": 0.5, "verifier": 1, "order": 0}
     for bad in ({"advantage": float("nan")}, {"advantage": float("inf")}, {"reward": float("-inf")}):
         with pytest.raises(WireError, match="finite"):  # a non-finite advantage never reaches the loss
             common.decode(common.encode({**sample, **bad}, a), "sample")
@@ -303,13 +303,12 @@ def test_reading_guide_names_exist():
             scope = found[0].body
 
 
-# The store's keys of the fault layer (elastic.py's docstring lists them) and the calls through which the
-# algorithm reaches it: a function docs/READING.md cites names neither the keys nor anything else of elastic.py.
+# The store keys an earlier fault layer kept (the ledger now owns its books in memory: none may come back into
+# the algorithm) and the calls through which the algorithm reaches the fault layer: a function docs/READING.md
+# cites names neither the keys nor anything else of elastic.py.
 FAULT_KEYS = ("actor/incarnations", "alive/", "groups/next", "redo/", "ids/", "budget/", "dropped/",
               "forwarded/", "oldest/", "verifier/incarnations", "trainer/epoch", "group/")
-NAMED_CALLS = {"register", "watchdog", "regroup", "reserve", "take_group_id", "read_budget", "publish_oldest",
-               "forwarded_groups", "forwarded", "drop", "register_verifier", "Membership", "Ledger", "fence",
-               "new_epoch", "store_lost"}
+NAMED_CALLS = {"Client", "Progress", "store_lost", "unless_store_lost"}
 
 
 def reading_functions():
@@ -330,8 +329,8 @@ def reading_functions():
 def test_the_reading_path_reaches_the_fault_layer_only_through_its_named_calls():
     """A newcomer following docs/READING.md beside the paper meets the paper's steps, not the fault layer.
     Each function it cites holds no store key of the fault layer and reaches elastic.py only by calling one of
-    its few named entry points (`elastic.regroup(...)`, `elastic.reserve(...)`, ...), never its internals.
-    Fails, e.g., on actor.Actor.run calling the store for incarnations, or a function reading elastic.Ledger's
+    its few named entry points (`elastic.Client(...)`, `elastic.Progress(...)`, ...), never its internals.
+    Fails, e.g., on actor.Actor.run keeping incarnations in the store, or a function reading elastic.Ledger's
     books."""
     import ast
     bad = []

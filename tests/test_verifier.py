@@ -205,19 +205,14 @@ def tokenizer_dir(tmp_path_factory):
     return str(d), tok
 
 
-STORES = []  # the stores of this module's verifiers, kept up while it runs
-
-
-def start_verifier(run_dir, model_dir, *overrides, store=None):
-    """verifier.py between real sockets; `store`: the run's store (it counts itself there and reports
-    dropped samples), else a store of its own."""
-    if store is None:
-        store = trainer_store()
-        STORES.append(store)
+def start_verifier(run_dir, model_dir, *overrides, owner=None):
+    """verifier.py between real sockets, with the run's owner process (the ledger it says hello to and
+    forwards through; conftest.Owner), its own when none is given -> (proc, push, pull, ctx, owner)."""
+    owner = owner or conftest.Owner(run_dir)
     ports = {"rollouts": free_port(), "samples": free_port()}
-    cmd = [sys.executable, os.path.join(REPO, "verifier.py"), f"run.dir={run_dir}", f"model.path={model_dir}",
+    cmd = [sys.executable, os.path.join(REPO, "verifier.py"), f"model.path={model_dir}",
            f"ports.rollouts={ports['rollouts']}", f"ports.samples={ports['samples']}", "run.log_every=0.2",
-           "verifier.workers=1", f"sync.port={store.port}", *overrides]
+           "verifier.workers=1", *owner.overrides, *overrides]
     out = open(os.path.join(run_dir, "stdout.txt"), "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     ctx = zmq.Context()
@@ -225,25 +220,27 @@ def start_verifier(run_dir, model_dir, *overrides, store=None):
     push.connect(f"tcp://127.0.0.1:{ports['rollouts']}")  # ZMQ queues until the verifier binds
     pull = ctx.socket(zmq.PULL)
     pull.connect(f"tcp://127.0.0.1:{ports['samples']}")
-    return proc, push, pull, ctx
+    return proc, push, pull, ctx, owner
 
 
-def stop_verifier(proc, ctx, run_dir):
+def stop_verifier(proc, ctx, run_dir, owner=None):
     proc.send_signal(signal.SIGTERM)
     try:
         rc = proc.wait(timeout=60)
     finally:
         proc.kill()
         ctx.destroy(linger=0)
+        if owner is not None:
+            owner.close()
     assert rc == 0, stdout(run_dir)[-3000:]
 
 
-def rollout(tok, group_id, sample_idx, group_size, task, answer, text, eos=True):
+def rollout(tok, group_id, sample_idx, group_size, task, answer, text, eos=True, ticket=1):
     ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
     n = len(ids)
     header = {"group_id": group_id, "sample_idx": sample_idx, "group_size": group_size, "task": task,
-              "answer": answer, "finish_reason": "stop", "t_start": 1.0, "t_end": 2.0, "inc": 1, "cut": 1,
-              "eval": False}
+              "answer": answer, "finish_reason": "stop", "t_start": 1.0, "t_end": 2.0, "ticket": ticket,
+              "epoch": 1, "eval": False}
     arrays = {"prompt_ids": np.array([1, 2, 3], np.int32), "completion_ids": np.array(ids, np.int32),
               "logprobs": -np.arange(1, n + 1, dtype=np.float32) / 8,
               "versions": np.full(n, 7 + group_id, np.int32)}
@@ -255,7 +252,9 @@ def receive(pull, n, timeout_s=60):
     deadline = time.monotonic() + timeout_s
     while len(out) < n and time.monotonic() < deadline:
         if pull.poll(200):
-            out.append(recv(pull, "sample"))  # also checks the sample schema
+            frames = pull.recv_multipart()
+            if len(frames) > 1:  # (a tick is one frame)
+                out.append(common.decode(frames, "sample"))  # also checks the sample schema
     return out
 
 
@@ -275,24 +274,21 @@ def wait_metrics(run_dir, done, timeout_s=60):
     raise AssertionError(f"metrics never reached the expected state; last: {records[-1:] if records else None}")
 
 
-def trainer_store():
-    import weights_sync
-    return weights_sync.create_store("127.0.0.1", 0, True, 60)  # port 0: the OS picks one
-
-
 def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_dir):
     model_dir, tok = tokenizer_dir
     run_dir = str(tmp_path)
-    store = trainer_store()
-    proc, push, pull, ctx = start_verifier(
+    proc, push, pull, ctx, owner = start_verifier(
         run_dir, model_dir, "verifier.reward_wrong=-0.5", "verifier.overlong_buffer=4",
-        "verifier.overlong_penalty=1.0", "actor.max_tokens=24", "verifier.stale_group_s=1", store=store)
+        "verifier.overlong_penalty=1.0", "actor.max_tokens=24", "verifier.stale_group_s=1")
     try:
+        owner.open_epoch()
+        # the ledger's tickets for groups 1..5, 9, and a second copy of group 1 ("1b")
+        ticket = {g: k for g, (k, _) in zip([1, 2, 3, 4, 5, 9, "1b"], owner.tickets(7))}
         sent = {}
 
-        def send(group_id, idx, size, task, answer, text, eos=True, **stream):
-            header, arrays = rollout(tok, group_id, idx, size, task, answer, text, eos)
-            header.update(stream)  # inc, cut
+        def send(group_id, idx, size, task, answer, text, eos=True, copy=None):
+            header, arrays = rollout(tok, group_id, idx, size, task, answer, text, eos,
+                                     ticket[copy or group_id])
             sent[(group_id, idx)] = arrays
             conftest.send(push, header, arrays)
 
@@ -308,10 +304,10 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
         # group 3: one of three samples, never complete
         send(3, 0, 3, "arithmetic", "5", "#5")
         # malformed: bad JSON, a frame of the wrong length, a missing field
-        frames = common.encode(*rollout(tok, 9, 0, 2, "arithmetic", "5", "#5"))
+        frames = common.encode(*rollout(tok, 9, 0, 2, "arithmetic", "5", "#5", ticket=ticket[9]))
         push.send_multipart([b"{not json"] + frames[1:])
         push.send_multipart(frames[:2] + [frames[2][:-4]] + frames[3:])
-        header, arrays = rollout(tok, 9, 0, 2, "arithmetic", "5", "#5")
+        header, arrays = rollout(tok, 9, 0, 2, "arithmetic", "5", "#5", ticket=ticket[9])
         del header["answer"]
         push.send_multipart(common.encode(header, arrays))
         # group 4 after the malformed ones: the overlong penalty starts at 24 - 4 = 20 tokens
@@ -319,7 +315,7 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
         send(4, 1, 2, "arithmetic", "5", "x" * 19 + "\n#5")  # 23 tokens: 1 - (23 - 20) / 4 = 0.25
 
         samples = receive(pull, 8)
-        assert not pull.poll(1000), "an incomplete group or a duplicate was forwarded"
+        assert not receive(pull, 1, timeout_s=1), "an incomplete group or a duplicate was forwarded"
         got = {(h["group_id"], h["sample_idx"]): (h, a) for h, a in samples}
         assert len(samples) == 8 and set(got) == {(1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 1), (4, 0), (4, 1)}
         expected = {(1, 0): ("correct", 1.0, 0.625), (1, 1): ("wrong", -0.5, -0.875),
@@ -340,13 +336,14 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
         assert (m["verifier/status_wrong"], m["verifier/status_no_answer"], m["verifier/status_timeout"]) \
             == (1, 1, 0)
         assert m["verifier/queue_depth"] == 1  # group 3's one sample
-        # Dropped and given back to the actor's budget: group 9 only (its malformed sample can never
-        # complete it, 2 samples). Group 3, still incomplete after stale_group_s, is reported, not dropped:
-        # its last samples arrive long after its first (a long completion) and it is trained on.
+        # Dropped, and the ledger told why: group 9 only (its malformed sample can never complete it, 2
+        # samples). Group 3, still incomplete after stale_group_s, is reported, not dropped: its last
+        # samples may wait behind a backlog, and it is trained on.
         m = wait_metrics(run_dir, lambda r: "group 3 still incomplete" in stdout(run_dir)
                          and r["verifier/slow_groups"])
         assert (m["verifier/dropped_groups"], m["verifier/dropped_samples"], m["verifier/queue_depth"]) == (1, 2, 1)
-        assert store.add("dropped/1/1", 0) == 2
+        dropped = [e for e in owner.journal() if e["event"] == "dropped"]
+        assert [(e["ticket"], e["why"]) for e in dropped] == [(ticket[9], "malformed")]
         send(3, 2, 3, "arithmetic", "5", "#4")
         send(3, 1, 3, "arithmetic", "5", "#5")
         late = receive(pull, 3)
@@ -358,14 +355,22 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
         (h, _), = receive(pull, 1)
         assert (h["group_id"], h["status"], h["reward"], h["advantage"]) == (5, "wrong", -0.5, 0.0)
         wait_metrics(run_dir, lambda r: r["verifier/duplicates"] == 2 and r["step"] == 5)
-        # group 1 generated again in another stream (a restarted trainer's redo list, after its cut): a new
-        # group, forwarded and numbered from 0 in its stream, not a duplicate of the one finished above
-        send(1, 0, 2, "arithmetic", "12", "#12", inc=2, cut=3)
-        send(1, 1, 2, "arithmetic", "12", "#13", inc=2, cut=3)
+        # a second copy of group 1 (the ledger granted its id again under another ticket): a new group,
+        # forwarded, not a duplicate of the one finished above; every group's order is its place in the
+        # verifier's forwards, the same for all of its samples
+        send(1, 0, 2, "arithmetic", "12", "#12", copy="1b")
+        send(1, 1, 2, "arithmetic", "12", "#13", copy="1b")
         again = receive(pull, 2)
-        assert sorted((h["group_id"], h["inc"], h["cut"], h["seq"]) for h, _ in again) == [(1, 2, 3, 0), (1, 2, 3, 1)]
+        assert [(h["group_id"], h["ticket"], h["verifier"], h["order"]) for h, _ in again] == \
+            [(1, ticket["1b"], 1, 5)] * 2
+        # nothing left to send: every 0.5 s a tick says where the verifier's forwards stand
+        tick = None
+        while tick is None:
+            frames = pull.recv_multipart()
+            tick = common.decode(frames, "tick")[0] if len(frames) == 1 else None
+        assert tick == {"verifier": 1, "order": 6}
     finally:
-        stop_verifier(proc, ctx, run_dir)
+        stop_verifier(proc, ctx, run_dir, owner)
     assert stdout(run_dir).count("group 3 still incomplete") == 1  # logged once, not at every tick
     assert json.load(open(os.path.join(run_dir, "run_info_verifier.json")))["role"] == "verifier"
 
@@ -373,21 +378,24 @@ def test_service_forwards_complete_groups_with_advantages(tmp_path, tokenizer_di
 def test_service_drops_zero_advantage_groups_when_asked(tmp_path, tokenizer_dir):
     model_dir, tok = tokenizer_dir
     run_dir = str(tmp_path)
-    store = trainer_store()
-    proc, push, pull, ctx = start_verifier(run_dir, model_dir, "verifier.drop_zero_adv_groups=true", store=store)
+    proc, push, pull, ctx, owner = start_verifier(run_dir, model_dir, "verifier.drop_zero_adv_groups=true")
     try:
-        for idx in range(2):
-            conftest.send(push, *rollout(tok, 1, idx, 2, "arithmetic", "5", "#5"))  # all correct: dropped
-        conftest.send(push, *rollout(tok, 2, 0, 2, "arithmetic", "5", "#5"))
-        conftest.send(push, *rollout(tok, 2, 1, 2, "arithmetic", "5", "#6"))
+        owner.open_epoch()
+        (one, _), (two, _) = owner.tickets(2)
+        for idx in range(2):  # all correct: dropped
+            conftest.send(push, *rollout(tok, 1, idx, 2, "arithmetic", "5", "#5", ticket=one))
+        conftest.send(push, *rollout(tok, 2, 0, 2, "arithmetic", "5", "#5", ticket=two))
+        conftest.send(push, *rollout(tok, 2, 1, 2, "arithmetic", "5", "#6", ticket=two))
         samples = receive(pull, 2)
-        assert not pull.poll(1000)
+        assert not any(len(pull.recv_multipart()) > 1 for _ in range(2))  # ticks only
         assert sorted((h["group_id"], h["advantage"]) for h, _ in samples) == [(2, -0.5), (2, 0.5)]
         m = wait_metrics(run_dir, lambda r: r["verifier/groups_forwarded"] == 1)
         assert (m["verifier/zero_adv_groups"], m["verifier/dropped_groups"]) == (1, 1)
-        assert store.add("dropped/1/1", 0) == 2  # given back to incarnation 1's budget: else the run stalls
+        # the ledger knows: the budget is free again, else the run stalls
+        assert [(e["ticket"], e["why"]) for e in owner.journal() if e["event"] == "dropped"] == \
+            [(one, "zero_adv")]
     finally:
-        stop_verifier(proc, ctx, run_dir)
+        stop_verifier(proc, ctx, run_dir, owner)
 
 
 def test_service_grades_evaluations_and_drops_non_finite_rollouts(tmp_path, tokenizer_dir):
@@ -396,26 +404,29 @@ def test_service_grades_evaluations_and_drops_non_finite_rollouts(tmp_path, toke
     its group (of actor process 1) is dropped and given back to that process's budget."""
     model_dir, tok = tokenizer_dir
     run_dir = str(tmp_path)
-    store = trainer_store()
-    proc, push, pull, ctx = start_verifier(run_dir, model_dir, "verifier.stale_group_s=0.5", store=store)
+    proc, push, pull, ctx, owner = start_verifier(run_dir, model_dir, "verifier.stale_group_s=0.5")
     try:
+        owner.open_epoch()
+        (ticket, _), = owner.tickets(1)
         for i, text in enumerate(["#5", "#4", "#5", "nothing"]):  # 2 of 4 right
-            h, a = rollout(tok, 30, i, 4, "arithmetic", "5", text)
+            h, a = rollout(tok, 30, i, 4, "arithmetic", "5", text, ticket=0)
             a["versions"] = np.full(len(a["versions"]), 30 + i // 2, np.int32)  # the pass spans versions 30-31
             if i == 3:  # a slow pass: its last attempt comes after stale_group_s; it is recorded all the same
                 wait_metrics(run_dir, lambda r: r["verifier/slow_groups"] == 1)
             conftest.send(push, {**h, "eval": True}, a)
-        h, a = rollout(tok, 30, 0, 2, "arithmetic", "5", "#5")  # training group 30: another id space
-        conftest.send(push, {**h, "inc": 2}, a)
+        # training group 30 (another id space), one of its samples with a NaN logprob
+        h, a = rollout(tok, 30, 0, 2, "arithmetic", "5", "#5", ticket=ticket)
+        conftest.send(push, h, a)
         a = {**a, "logprobs": a["logprobs"].copy()}
         a["logprobs"][0] = np.nan
-        conftest.send(push, {**h, "sample_idx": 1, "inc": 2}, a)
+        conftest.send(push, {**h, "sample_idx": 1}, a)
         m = wait_metrics(run_dir, lambda r: r["verifier/evaluations"] == 1 and r["verifier/malformed"] == 1)
         assert (m["verifier/dropped_groups"], m["verifier/groups_forwarded"]) == (1, 0)
         assert m["verifier/test_reward"] == 0.5 and m["verifier/test_version"] == 30
-        assert not pull.poll(500)  # nothing reaches the trainer
-        assert store.add("dropped/2/1", 0) == 2 and store.add("dropped/1/1", 0) == 0
+        assert all(len(pull.recv_multipart()) == 1 for _ in range(3))  # ticks only: nothing to train
+        assert [(e["ticket"], e["why"]) for e in owner.journal() if e["event"] == "dropped"] == \
+            [(ticket, "malformed")]
     finally:
-        stop_verifier(proc, ctx, run_dir)
+        stop_verifier(proc, ctx, run_dir, owner)
     (record,) = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
     assert (record["version"], record["versions"], record["test_reward"], record["n"]) == (30, [30, 31], 0.5, 4)

@@ -18,7 +18,7 @@ import common
 import conftest
 from common import WireError
 from test_verifier import (receive, rollout, start_verifier, stdout, stop_verifier,  # noqa: F401
-                           tokenizer_dir, trainer_store, wait_metrics)  # tokenizer_dir: a fixture
+                           tokenizer_dir, wait_metrics)  # tokenizer_dir: a fixture
 
 # Values a mutation puts where a field, an array entry or a shape entry belongs.
 ODD = [None, True, False, 0, 1, -1, 2.0, 1.5, float("nan"), float("inf"), -float("inf"), 10**30,
@@ -36,11 +36,11 @@ def valid(rng: random.Random, kind: str):
     header = {"group_id": rng.randrange(10**5), "sample_idx": rng.randrange(size),
               "group_size": size, "task": rng.choice(["arithmetic", "math"]),
               "answer": str(rng.randrange(100)),
-              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "inc": rng.randrange(3),
-              "cut": 1, "eval": rng.random() < 0.2}
+              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "ticket": rng.randrange(100, 103),
+              "epoch": 1, "eval": rng.random() < 0.2}
     if kind == "sample":
         header.update(reward=float(rng.choice([0, 1])), status="correct",
-                      advantage=rng.uniform(-1, 1), seq=n)  # seq: no draw, the stream stays as it was
+                      advantage=rng.uniform(-1, 1), verifier=1, order=n)  # no draw: the stream stays
     arrays = {"prompt_ids": np.arange(rng.randrange(1, 5), dtype=np.int32),
               "completion_ids": np.array([rng.randrange(40) for _ in range(n)], np.int32),
               "logprobs": -np.array([rng.random() for _ in range(n)], np.float32),
@@ -199,7 +199,7 @@ def test_decode_raises_wire_error_and_nothing_else_on_fuzzed_messages():
         types = common.SCHEMAS["sample"][0]
         assert all(k in types for k in peeked)
         assert all(type(peeked[k]) is int and 0 <= peeked[k] < 2**31
-                   for k in ("group_id", "group_size", "inc", "cut") if k in peeked)
+                   for k in ("group_id", "group_size", "ticket", "epoch") if k in peeked)
     assert applied == set(MUTATIONS)
     assert outcomes["decoded"] > 100 and outcomes["WireError"] > 4000, outcomes
 
@@ -249,21 +249,21 @@ def test_verifier_keeps_serving_through_a_burst_of_fuzzed_rollouts(tmp_path, tok
     own: filtered out.)"""
     model_dir, tok = tokenizer_dir
     run_dir = str(tmp_path)
-    store = trainer_store()  # where the verifier gives back the samples of the groups it drops
-    proc, push, pull, ctx = start_verifier(run_dir, model_dir, store=store)
+    proc, push, pull, ctx, owner = start_verifier(run_dir, model_dir)
     rng = random.Random(2)
     try:
+        owner.open_epoch()
+        (ticket, _), = owner.tickets(1)
         for _ in range(1000):
             frames, _ = fuzzed(rng)
             if frames:  # ZMQ has no message of zero frames
                 push.send_multipart(frames)
-        # A malformed rollout's group is dropped and its samples given back to its actor through the
-        # store, which cannot add 10**30.
+        # A malformed rollout's group is dropped, and the ledger told, whatever its numbers say.
         header, arrays = rollout(tok, 10**5, 0, 2, "arithmetic", "5", "#5")
-        push.send_multipart(common.encode({**header, "group_size": 10**30}, arrays))
+        push.send_multipart(common.encode({**header, "group_size": 10**30, "ticket": 10**30}, arrays))
         group_id = 10**6  # no fuzzed message has it: their ids are below 10**5
-        conftest.send(push, *rollout(tok, group_id, 0, 2, "arithmetic", "5", "#5"))
-        conftest.send(push, *rollout(tok, group_id, 1, 2, "arithmetic", "5", "#6"))
+        conftest.send(push, *rollout(tok, group_id, 0, 2, "arithmetic", "5", "#5", ticket=ticket))
+        conftest.send(push, *rollout(tok, group_id, 1, 2, "arithmetic", "5", "#6", ticket=ticket))
         ours = []
         for _ in range(200):
             ours += [h for h, _ in receive(pull, 1, timeout_s=1) if h["group_id"] == group_id]
@@ -273,4 +273,4 @@ def test_verifier_keeps_serving_through_a_burst_of_fuzzed_rollouts(tmp_path, tok
         assert sorted((h["sample_idx"], h["advantage"]) for h in ours) == [(0, 0.5), (1, -0.5)]
         wait_metrics(run_dir, lambda r: r["verifier/malformed"] > 500)  # most of the burst
     finally:
-        stop_verifier(proc, ctx, run_dir)
+        stop_verifier(proc, ctx, run_dir, owner)
