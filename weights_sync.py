@@ -273,15 +273,16 @@ class WeightServer:
         self.closed = False
         # the roster: its number, members (actor incarnation -> first rank); the ledger's live ones
         self.g, self.members, self.live = 0, {}, None
-        # a new line to the ledger for each thread (elastic.Client); the trainer's watchdog timer,
-        # which a wait on the actors re-arms
+        # a new line to the ledger for each thread (elastic.Client; None: no actor ever, e.g. a
+        # benchmark of the trainer alone); the trainer's watchdog timer, re-armed by a wait on them
         self.ledger, self.progress = ledger, progress
         self.wake = threading.Event()  # set on a new copy, and on a change of the live actors
         # a trainer that died between counting its last announcement and setting it left a gap
         # the actors would wait on for ever
         if last := int(self.store.add("announced", 0)):
             self.store.compare_set(f"announce/{last}", "", "skip")
-        threading.Thread(target=self._watch, daemon=True).start()
+        if ledger is not None:
+            threading.Thread(target=self._watch, daemon=True).start()
         threading.Thread(target=self._run, daemon=True).start()
 
     def send(self, version: int, named_tensors, wait: bool):
@@ -386,7 +387,7 @@ class WeightServer:
     def _run(self):
         if self.stream is not None:
             torch.cuda.set_device(self.sender.device)  # the thread's device: not always cuda:0
-        ledger = self.ledger()
+        ledger = self.ledger() if self.ledger else None
         while not self.closed:
             self.wake.wait(0.5)
             self.wake.clear()

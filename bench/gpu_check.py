@@ -50,7 +50,6 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import common  # noqa: E402
-import elastic  # noqa: E402
 import trainer  # noqa: E402
 import weights_sync  # noqa: E402
 from conftest import free_port, receive_weights  # noqa: E402
@@ -157,8 +156,8 @@ def sender_stream():
         return {"skipped": True, "verdict": "CPU: no streams"}
     store = weights_sync.create_store("127.0.0.1", free_port(), True, 60)  # the run's store
     cfg = common.load_config([f"sync.port={store.port}"])
-    group = elastic.Membership(cfg, epoch=1)  # no actor: sent to nobody
-    server = weights_sync.WeightServer(cfg, version=0, device=dev(), group=group)
+    # no actor: sent to nobody
+    server = weights_sync.WeightServer(cfg, version=0, device=dev(), epoch=1, ledger=None)
     assert server.stream is not None and server.stream != torch.cuda.current_stream(), "no stream of its own"
     named = [("w", torch.randn(1024, 1024, device=dev()))]
     with torch.cuda.stream(server.stream):
@@ -369,8 +368,7 @@ def big(tmp):
     params = inspect.signature(trainer.send_weights).parameters
     if "store" in params:  # the elastic WeightServer: no actor, so send_weights gathers and copies
         cfg = make_cfg(tmp, world=1, **{"sync.async_send": "false", "sync.port": str(store.port)})
-        server = weights_sync.WeightServer(cfg, version=0, device=dev(),
-                                           group=elastic.Membership(cfg, epoch=1))
+        server = weights_sync.WeightServer(cfg, version=0, device=dev(), epoch=1, ledger=None)
         send = lambda v: trainer.send_weights(state, server, store, cfg, wait=True)  # noqa: E731
     else:  # older trees: a 1-rank group of its own
         pg = weights_sync.init_group(store, 0, 1, "gloo" if SMOKE else "nccl", timeout_s=60)

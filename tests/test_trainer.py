@@ -34,7 +34,7 @@ import common  # noqa: E402
 import elastic  # noqa: E402
 import loss  # noqa: E402
 import trainer  # noqa: E402
-from conftest import FakeActor, forkserver, free_port, read_jsonl, receive_weights  # noqa: E402
+from conftest import FakeActor, Owner, forkserver, free_port, read_jsonl, receive_weights  # noqa: E402
 
 torch.set_num_threads(1)
 LR, WD, TEMP, CLIP = 1e-3, 0.1, 0.7, 1.0
@@ -367,21 +367,21 @@ def test_gpu_check_runs_in_smoke_mode(tmp_path):
 
 # --- weight broadcast -------------------------------------------------------------------------------------
 
-def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
+def _broadcast_worker(rank, world, port, tmp, overrides, batch):
     import weights_sync as ws
     torch.set_num_threads(1)
-    if rank == 2:  # the actor's side: joins the weight group, takes two versions
-        actor = FakeActor(sync_port)
+    cfg = make_cfg(tmp, 2, **{"sync.async_send": False}, **dict(o.split("=", 1) for o in overrides))
+    if rank == 2:  # the actor's side: joins the weight roster, takes two versions
+        actor = FakeActor(cfg)
         actor.done.wait(120)
         torch.save({"got": actor.updates, "error": repr(actor.error)}, Path(tmp) / "receiver.pt")
         return
     _init(rank, 2, port)
-    cfg = make_cfg(tmp, 2, **{"sync.port": sync_port, "sync.async_send": False})
     state = trainer.build_state(cfg, CPU, model=tiny_model())
-    store, server = ws.create_store("127.0.0.1", sync_port, False, 60), None
+    store, server = ws.create_store("127.0.0.1", cfg.sync.port, False, 60), None
     if trainer.is_main():  # the broadcast runs in the WeightServer's thread
-        server = ws.WeightServer(cfg, version=0, device=CPU, group=elastic.Membership(cfg, epoch=1))
-        while not server.members:  # the actor in the group: it gets both versions
+        server = ws.WeightServer(cfg, 0, CPU, epoch=1, ledger=lambda: elastic.Client(cfg, store))
+        while not server.members:  # the actor in the roster: it gets both versions
             time.sleep(0.05)
     trainer.send_weights(state, server, store, cfg, wait=True)
     trainer.train_step(state, _share(batch, 2, rank), cfg)
@@ -394,9 +394,11 @@ def _broadcast_worker(rank, world, port, tmp, sync_port, batch):
 
 
 def test_broadcast_receiver_gets_trainer_weights(tmp_path):
-    import weights_sync as ws
-    store = ws.create_store("127.0.0.1", 0, True, 60)  # the run's store (weights_sync.serve_store)
-    spawn(_broadcast_worker, 3, str(tmp_path), store.port, make_batch(12, 0, seed=0))
+    owner = Owner(tmp_path)  # the run's store and ledger (elastic.py)
+    try:
+        spawn(_broadcast_worker, 3, str(tmp_path), owner.overrides, make_batch(12, 0, seed=0))
+    finally:
+        owner.close()
     rec = torch.load(tmp_path / "receiver.pt", weights_only=False)
     params = torch.load(tmp_path / "trainer.pt", weights_only=False)
     init = dict(tiny_model().named_parameters())
@@ -475,142 +477,145 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
     assert trainer.latest_checkpoint(tmp_path / "nothing") is None
 
 
-# --- main() against a fake verifier and a fake actor ---------------------------------------------------------------
+# --- main() against a fake verifier and a fake actor, with the real ledger ------------------------------------
 
-def _sample_frames(i, version, vocab=64, bad=False, advantage=None, inc=1, cut=1, seq0=0):
-    rng = np.random.default_rng(i)
+class FakeVerifier:
+    """A verifier as the trainer sees it, in a thread of this process (no scoring): once `actor` has weights,
+    it asks the ledger for tickets in the actor's name (one at a time, by its lag budget), forwards each
+    (its order from the ledger) and pushes its group_size samples over a real ZMQ PUSH socket. `change(n,
+    header, arrays)` may alter the n-th group's samples (a malformed one, another epoch's)."""
+
+    def __init__(self, owner, actor, push, stop, change=lambda n, h, a: None, advantage=lambda n, k: None):
+        self.owner, self.actor, self.push, self.stop = owner, actor, push, stop
+        self.change, self.advantage, self.groups = change, advantage, []  # [(ticket, group id)]
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        import zmq
+        import weights_sync as ws
+        ledger = elastic.Client(self.owner.cfg, ws.create_store("127.0.0.1", self.owner.cfg.sync.port, False, 60))
+        verifier = ledger.request("verifier_hello")["verifier"]
+        while not self.stop.is_set():
+            version = self.actor.versions[-1] if self.actor.updates else -1
+            reply = ledger.request("tickets", inc=self.actor.inc, epoch=self.actor.epoch or -1,
+                                   version=version, want=1, pushed=[], drop=[])
+            if not reply.get("tickets"):
+                time.sleep(0.05)
+                continue
+            (ticket, group_id), = reply["tickets"]
+            (_, order), = ledger.request("forward", verifier=verifier, forward=[ticket], drop=[])["accepted"]
+            n = len(self.groups)
+            self.groups.append((ticket, group_id))
+            for k in range(2):
+                header, arrays = _sample(n, k, version, ticket, group_id, verifier, order, self.actor.epoch,
+                                         self.advantage(n, k))
+                self.change(n, header, arrays)
+                while not self.stop.is_set():
+                    try:  # non-blocking: a trainer that exits between poll and send would block a send
+                        self.push.send_multipart(common.encode(header, arrays), flags=zmq.NOBLOCK)
+                        break
+                    except zmq.Again:
+                        time.sleep(0.05)
+
+
+def _sample(n, k, version, ticket, group_id, verifier, order, epoch, advantage=None, vocab=64):
+    rng = np.random.default_rng(2 * n + k)
     P, C = int(rng.integers(1, 6)), int(rng.integers(1, 10))
-    header = {"group_id": i // 2, "sample_idx": i % 2, "group_size": 2, "task": "arithmetic", "answer": "3",
-              "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "inc": inc, "cut": cut, "eval": False,
-              "reward": float(i % 2), "status": "correct",
-              "advantage": float(i % 2) - 0.5 if advantage is None else advantage, "seq": i - seq0,
-              "verifier": 1, "order": i}
+    header = {"group_id": group_id, "sample_idx": k, "group_size": 2, "task": "arithmetic", "answer": "3",
+              "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "ticket": ticket, "epoch": epoch,
+              "eval": False, "reward": float(k), "status": "correct",
+              "advantage": float(k) - 0.5 if advantage is None else advantage, "verifier": verifier,
+              "order": order}
     arrays = {"prompt_ids": rng.integers(0, vocab, P).astype(np.int32),
               "completion_ids": rng.integers(0, vocab, C).astype(np.int32),
               "logprobs": np.full(C, -4.0, dtype=np.float32), "versions": np.full(C, version, dtype=np.int32)}
-    if bad:
-        arrays["versions"] = arrays["versions"][:-1] if C > 1 else np.zeros(3, np.int32)
-    return common.encode(header, arrays)
+    return header, arrays
 
 
-def _launch(tmp, model_dir, ranks, sync_port, samples_port, *extra):
+def _launch(tmp, model_dir, ranks, owner, samples_port, *extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 \
         else [sys.executable]
-    over = [f"run.dir={tmp}", f"model.path={model_dir}", f"trainer.nproc={ranks}", "trainer.batch_size=4",
-            "actor.group_size=2", "trainer.checkpoint_every=2", f"sync.port={sync_port}",
-            f"ports.samples={samples_port}", "run.peer_timeout_s=20", *extra]
+    over = [*owner.overrides, f"model.path={model_dir}", f"trainer.nproc={ranks}", "trainer.batch_size=4",
+            "actor.group_size=2", "trainer.checkpoint_every=2", f"ports.samples={samples_port}", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(cmd + [str(REPO / "trainer.py")] + over, cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_main_loop_with_fake_verifier_and_actor(tmp_path):
-    """torchrun, 2 ranks, 3 steps: version 0..3 reach the actor, a malformed sample is counted, metrics and
-    samples_trainer.jsonl are written, the final checkpoint exists; then a resume to step 4 continues the
-    version, lists the groups to do again and starts the group counter after the last trained group (1 rank:
-    optimizer shards re-cut). Samples of another incarnation or cut are discarded and counted."""
+def _model_and_socket(tmp_path):
+    """A tiny model directory, a free port and the verifier's bound PUSH socket (with a stop event)."""
     import zmq
-    import weights_sync as ws
     model_dir = tmp_path / "model"
     tiny_model().save_pretrained(model_dir)
     samples_port = free_port()
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.bind(f"tcp://127.0.0.1:{samples_port}")
-    sent = {"n": 0}
+    return model_dir, samples_port, push, threading.Event()
 
-    def verifier(stop, actor):
-        while actor.cut is None and not stop.is_set():  # samples come from a member of the group
-            time.sleep(0.05)
-        seq0 = sent["n"]  # a verifier numbers each incarnation's samples of a cut from 0
-        while not stop.is_set():
-            try:  # non-blocking: a trainer that exits between poll and send would block a plain send forever
-                n = sent["n"]  # one of another incarnation, one of an older cut: discarded
-                frames = _sample_frames(n, 0, bad=n == 3, inc=actor.inc + (n == 5), cut=actor.cut - (n == 6),
-                                        seq0=seq0)
-                push.send_multipart(frames, flags=zmq.NOBLOCK)
-                sent["n"] += 1
-            except zmq.Again:
-                time.sleep(0.05)
+
+def _break(n, header, arrays):
+    """Group 1's second sample malformed (its versions one short); group 2's first sampled by weights of
+    another trainer epoch: neither group is ever whole."""
+    if n == 1 and header["sample_idx"] == 1:
+        arrays["versions"] = arrays["versions"][:-1] if len(arrays["versions"]) > 1 else np.zeros(3, np.int32)
+    if n == 2 and header["sample_idx"] == 0:
+        header["epoch"] -= 1
+
+
+def test_main_loop_with_fake_verifier_and_actor(tmp_path):
+    """torchrun, 2 ranks, 3 steps, the real ledger: versions 0..3 reach the actor, a malformed sample and one of
+    another epoch are counted, their groups found lost on the way once later groups passed every rank and given
+    back to the ledger (no cut); metrics, samples records and checkpoints are written, and check_run holds.
+    Then a resume on a new ledger (a whole run resumed) to step 4: the version goes on, and the ledger's
+    numbering; the ids the checkpoint does not hold done are granted again first."""
+    from scripts import check_run
+    model_dir, samples_port, push, stop = _model_and_socket(tmp_path)
 
     def run(ranks, *extra):
-        store, stop = ws.create_store("127.0.0.1", 0, True, 60), threading.Event()  # the run's store
-        proc = _launch(tmp_path, model_dir, ranks, store.port, samples_port, *extra)
-        actor = FakeActor(store.port)
-        th = threading.Thread(target=verifier, args=(stop, actor), daemon=True)
-        th.start()
-        out, _ = proc.communicate(timeout=150)
-        stop.set()
-        th.join(timeout=30)
-        actor.done.wait(30)
+        owner, stop = Owner(tmp_path), threading.Event()
+        proc = _launch(tmp_path, model_dir, ranks, owner, samples_port, *extra)
+        actor = FakeActor(owner.cfg)
+        fake = FakeVerifier(owner, actor, push, stop, change=_break)
+        try:
+            out, _ = proc.communicate(timeout=150)
+        finally:
+            stop.set()
+            actor.done.wait(30)
+            owner.close()
         assert proc.returncode == 0, out
-        return actor, store, out
+        return actor, owner, fake, out
 
-    actor, store, out = run(2, "trainer.max_steps=3", "sync.async_send=false")  # every version, in order
+    actor, owner, fake, out = run(2, "trainer.max_steps=3", "sync.async_send=false")  # every version, in order
     assert actor.versions == [0, 1, 2, 3] and actor.error is None, out
-    # the first cut fences the group ids at 0: nothing to do again
-    assert (store.get(f"redo/{actor.cut}"), store.get("groups/next").split()[:2]) == (b"", [b"1", b"0"])
     recs = [r for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
     keys = {"trainer/ess", "trainer/kl", "trainer/clamp_frac", "trainer/lag_mean", "trainer/tokens_per_s",
-            "trainer/wait_s", "trainer/broadcast_s", "trainer/kl_lag_2", "trainer/tokens_lag_2",
-            "trainer/lag_by_position"}
-    assert keys <= set(recs[-1]) and recs[-1]["trainer/malformed"] == 1 and recs[1]["trainer/lag_max"] == 1
-    # samples 5 and 6, on whichever ranks; then 2, 4 and 7, whose groups are never whole (3, 5, 6)
-    assert recs[-1]["trainer/discarded"] == 5
-    lost = sorted((d["group_id"], d["reason"]) for d in read_jsonl(tmp_path / "groups_dropped.jsonl"))
-    assert lost == [(g, "lost on the way") for g in (1, 2, 3)], lost
+            "trainer/wait_s", "trainer/broadcast_s", "trainer/lag_by_position"}
+    assert keys <= set(recs[-1]) and recs[-1]["trainer/malformed"] == 1
+    lost = [e for e in owner.journal() if e["event"] == "given_back"]
+    assert [(e["tickets"], e["why"]) for e in lost] == [([fake.groups[1][0], fake.groups[2][0]],
+                                                         "lost on the way")], lost
     rows = read_jsonl(tmp_path / "samples_trainer.jsonl")
     rows1 = read_jsonl(tmp_path / "samples_trainer.rank1.jsonl")
     assert [r["trainer_version"] for r in rows] == [0, 1, 2] == [r["trainer_version"] for r in rows1]
-    # whole groups, each in one step, on whichever rank holds each sample
-    assert [len(r["group_ids"]) + len(r1["group_ids"]) for r, r1 in zip(rows, rows1)] == [4, 4, 4]
-    assert all(sorted(r["group_ids"] + r1["group_ids"])[::2] == sorted(r["group_ids"] + r1["group_ids"])[1::2]
-               for r, r1 in zip(rows, rows1))
+    # whole groups, each in one step, on whichever rank holds each sample, in forwarding order
+    assert [sorted(r["tickets"] + r1["tickets"]) for r, r1 in zip(rows, rows1)][0] == \
+        sorted([fake.groups[0][0]] * 2 + [fake.groups[3][0]] * 2)
+    assert all(ok for _, ok, _ in check_run.check(tmp_path)), check_run.check(tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-3"]
     state = json.loads((tmp_path / "checkpoints/step-3/trainer_state.json").read_text())
-    untrained = [g for g in range(state["trained_below"], state["max_group_id"] + 1)
-                 if g not in state["trained_above"]]
+    issued = max(e["ticket"] for e in owner.journal() if e["event"] == "issued")
 
-    actor, store, out = run(1, "trainer.max_steps=4", "run.resume=true", "sync.async_send=false")
+    actor, owner, fake, out = run(1, "trainer.max_steps=4", "run.resume=true", "sync.async_send=false")
     assert actor.versions == [3, 4], out
-    # a new store (a whole run resumed): the fence starts after the last trained id, the ids below it that
-    # were never trained come first
-    assert [int(g) for g in store.get(f"redo/{actor.cut}").decode().split(",") if g] == untrained
-    assert int(store.get("groups/next").split()[1]) == state["max_group_id"] + 1
+    hello = [e for e in owner.journal() if e["event"] == "hello" and e["role"] == "trainer"][-1]
+    top = max(state["done_above"], default=state["done_below"] - 1) + 1
+    assert (hello["epoch"], hello["step"], hello["next"]) == (2, 3, top)
+    assert hello["redo"] == [g for g in range(state["done_below"], top) if g not in state["done_above"]]
+    assert fake.groups[0][0] == issued + 1  # the ticket numbers go on
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r][-1] == 4
-
     push.close()
-
-
-def _model_and_verifier(tmp_path):
-    """A tiny model directory, the run's store (hosted here), a free port and the verifier's bound PUSH
-    socket (with its stop event)."""
-    import zmq
-    import weights_sync as ws
-    model_dir = tmp_path / "model"
-    tiny_model().save_pretrained(model_dir)
-    samples_port, store = free_port(), ws.create_store("127.0.0.1", 0, True, 60)
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.bind(f"tcp://127.0.0.1:{samples_port}")
-    return model_dir, samples_port, store, push, threading.Event()
-
-
-def _push_samples(push, stop, advantage_of, actor):
-    """Push samples 0, 1, ... of `actor`'s incarnation and cut (sample i with advantage advantage_of(i); None:
-    the default), from when it is in a group until `stop`."""
-    import zmq
-    while actor.cut is None and not stop.is_set():
-        time.sleep(0.05)
-    i = 0
-    while not stop.is_set():
-        try:
-            frames = _sample_frames(i, 0, advantage=advantage_of(i), inc=actor.inc, cut=actor.cut)
-            push.send_multipart(frames, flags=zmq.NOBLOCK)
-            i += 1
-        except zmq.Again:
-            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("max_lag,versions", [(4, [0, 1, 3]), (0, [0, 1, 2, 3])])
@@ -620,16 +625,19 @@ def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_pa
     actor could not start step 3's samples on version 1 (trainer.weights_owed): version 2 is sent before
     them. A sample with a NaN advantage is dropped as malformed and counted (the wire format refuses
     non-finite numbers)."""
-    model_dir, samples_port, store, push, stop = _model_and_verifier(tmp_path)
-    proc = _launch(tmp_path, model_dir, 1, store.port, samples_port, "trainer.max_steps=3",
+    model_dir, samples_port, push, stop = _model_and_socket(tmp_path)
+    owner = Owner(tmp_path)
+    proc = _launch(tmp_path, model_dir, 1, owner, samples_port, "trainer.max_steps=3",
                    "sync.async_send=false", f"actor.max_lag={max_lag}")
-    actor = FakeActor(store.port)
-    advantage = lambda i: 3e38 if 4 <= i < 8 else float("nan") if i == 9 else None  # noqa: E731
-    th = threading.Thread(target=_push_samples, args=(push, stop, advantage, actor), daemon=True)
-    th.start()
-    out, _ = proc.communicate(timeout=150)
-    stop.set()
-    push.close()
+    actor = FakeActor(owner.cfg)
+    advantage = lambda n, k: 3e38 if 2 <= n < 4 else float("nan") if (n, k) == (4, 1) else None  # noqa: E731
+    FakeVerifier(owner, actor, push, stop, advantage=advantage)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        stop.set()
+        push.close()
+        owner.close()
     assert proc.returncode == 0, out
     recs = [r for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
     assert [r["trainer/step_skipped"] for r in recs] == [0, 1, 0] and recs[-1]["trainer/skipped_steps"] == 1
@@ -638,77 +646,69 @@ def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_pa
     assert actor.versions == versions, out
 
 
-def test_ids_to_do_again_at_a_cut():
-    """Groups finish out of order: at a checkpoint, and at any cut, ids below the fence may never have been
-    trained (in flight, or given up at the cut). The books list them (redo/<cut>: the actors generate them
-    first), leaving out the ones the verifier dropped for good; a checkpoint keeps only the ids above the
-    first untrained one."""
-    import weights_sync as ws
+def test_done_ids_are_pruned_into_a_floor():
+    """A checkpoint keeps every id below done_below done (trained or dropped), and the ones above it."""
     from types import SimpleNamespace
-    store = ws.create_store("127.0.0.1", 0, True, 30)
-    state = SimpleNamespace(trained_below=0, trained_ids={0, 1, 3, 5, 6}, max_group_id=6)
-    trainer.prune_trained(state)
-    assert state.trained_below == 2 and state.trained_ids == {3, 5, 6}
-    elastic.drop(store, 1, 1, 7, 4)  # the verifier dropped group 7
-    books = elastic.Ledger(store, None, state)
-    books.start_cut(2, elastic.fence(store, 2, floor=9))
-    assert store.get("redo/2") == b"2,4,8," and store.get("groups/next").split()[:2] == [b"2", b"9"]
-    state.trained_ids |= {2, 4}
-    trainer.prune_trained(state)
-    assert state.trained_below == 7 and state.trained_ids == set()
+    state = SimpleNamespace(done_below=0, done_ids={0, 1, 3, 5, 6})
+    trainer.prune_done(state)
+    assert state.done_below == 2 and state.done_ids == {3, 5, 6}
+    state.done_ids |= {2, 4}
+    trainer.prune_done(state)
+    assert state.done_below == 7 and state.done_ids == set()
 
 
-def _dying_actor(sync_port):
-    """Joins the weight group, takes version 0, then dies without a word (os._exit: no clean shutdown)."""
-    actor = FakeActor(sync_port)
+def _dying_actor(overrides):
+    """Joins the weight roster, takes version 0, then dies without a word (os._exit: no clean shutdown)."""
+    actor = FakeActor(common.load_config(overrides))
     while not actor.updates and not actor.done.is_set():
         time.sleep(0.01)
     os._exit(0)
 
 
-def test_a_lost_actor_leaves_the_group_and_the_trainer_waits_for_another(tmp_path):
-    """Its only actor dies after version 0: the trainer counts it lost (its heartbeat stops, or the next
-    broadcast fails), forms a group without it, and waits up to run.peer_timeout_s for an actor to join,
-    saying so; then it stops, non-zero, naming what it waited for."""
-    model_dir, samples_port, store, push, stop = _model_and_verifier(tmp_path)
-    proc = _launch(tmp_path, model_dir, 1, store.port, samples_port, "trainer.max_steps=200",
-                   "run.peer_timeout_s=10", "run.heartbeat_timeout_s=2")
-    dying = mp.get_context("spawn").Process(target=_dying_actor, args=(store.port,))
+def test_a_lost_actor_leaves_the_roster_and_the_trainer_waits_for_another(tmp_path):
+    """Its only actor dies after version 0: the ledger counts it lost (silent), the trainer forms a roster
+    without it and waits up to run.peer_timeout_s for samples; then it stops, non-zero, naming what it waited
+    for."""
+    model_dir, samples_port, push, stop = _model_and_socket(tmp_path)
+    owner = Owner(tmp_path, "run.heartbeat_timeout_s=2", "run.peer_timeout_s=160")
+    proc = _launch(tmp_path, model_dir, 1, owner, samples_port, "trainer.max_steps=200")
+    dying = mp.get_context("spawn").Process(target=_dying_actor, args=(owner.overrides,))
     dying.start()
     try:
-        out, _ = proc.communicate(timeout=180)
+        out, _ = proc.communicate(timeout=400)
     finally:
         stop.set()
         proc.kill()
         push.close()
+        owner.close()
     dying.join(timeout=10)
     assert proc.returncode != 0, out[-3000:]
-    assert "actor incarnation 1 lost" in out or "forming a new one" in out, out[-3000:]
-    assert "no actor in the weight group: waiting up to 10 s (run.peer_timeout_s)" in out, out[-3000:]
-    assert "no actor has been alive" in out, out[-3000:]
+    assert "actor incarnation 1 lost: silent for 2 s" in (tmp_path / "owner.log").read_text()
+    assert "no sample from the verifier" in out and "run.peer_timeout_s" in out, out[-3000:]
     assert '"trainer/done"' not in (tmp_path / "metrics_trainer.jsonl").read_text()
 
 
-def test_membership_follows_heartbeats_judged_by_this_hosts_clock(tmp_path):
-    """An actor's heartbeat carries its host's clock, which may be skewed: a WeightServer judges silence
-    from when the beat last changed, here. An hour-behind clock that keeps beating stays in the group; one
-    that stops beating (its clock an hour ahead) leaves it after run.heartbeat_timeout_s."""
+def test_the_roster_follows_the_actors_the_ledger_counts_alive(tmp_path):
+    """Two actors in the roster; one falls silent (its requests stop): after run.heartbeat_timeout_s the
+    ledger counts it lost and the next roster is formed without it; the other stays."""
     import weights_sync as ws
-    store = ws.create_store("127.0.0.1", 0, True, 30)
-    cfg = make_cfg(tmp_path, **{"sync.port": store.port, "run.heartbeat_timeout_s": 2.0})
-    behind, ahead = FakeActor(store.port, clock_skew_s=-3600), FakeActor(store.port, clock_skew_s=3600)
-    server = ws.WeightServer(cfg, version=0, device=CPU, group=elastic.Membership(cfg, epoch=1))
-    deadline = time.time() + 30
-    while set(server.members) != {behind.inc, ahead.inc} and time.time() < deadline:
-        time.sleep(0.1)
-    assert set(server.members) == {behind.inc, ahead.inc}
-    ahead.done.set()  # its beats stop
-    while set(server.members) != {behind.inc} and time.time() < deadline:
-        time.sleep(0.1)
-    assert set(server.members) == {behind.inc}
-    time.sleep(3)  # longer than the timeout: the one that beats, whatever its clock, stays
-    assert set(server.members) == {behind.inc}
-    server.close("done")
+    owner = Owner(tmp_path, "run.heartbeat_timeout_s=2")
+    try:
+        stays, goes = FakeActor(owner.cfg), FakeActor(owner.cfg)
+        server = ws.WeightServer(owner.cfg, 0, CPU, epoch=1, ledger=lambda: elastic.Client(owner.cfg, owner.store))
+        deadline = time.time() + 30
+        while set(server.members) != {stays.inc, goes.inc} and time.time() < deadline:
+            time.sleep(0.1)
+        assert set(server.members) == {stays.inc, goes.inc}
+        goes.done.set()  # its requests stop
+        while set(server.members) != {stays.inc} and time.time() < deadline:
+            time.sleep(0.1)
+        assert set(server.members) == {stays.inc}
+        time.sleep(3)  # longer than the timeout: the one that speaks stays
+        assert set(server.members) == {stays.inc}
+        server.close("done")
+    finally:
+        owner.close()
 
 
 def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
@@ -720,9 +720,9 @@ def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
     sock.connect(addr)
     from types import SimpleNamespace
     state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=CPU))
+    cfg = make_cfg(tmp_path, **{"run.peer_timeout_s": 6, "run.hang_timeout_s": 5, "run.restart_s": 0.1})
     with pytest.raises(SystemExit) as e:
-        trainer.take_batch(sock, [], 1, 1, state, make_cfg(tmp_path, **{"run.peer_timeout_s": 1}), addr, 64,
-                           lambda: ({1}, 1), lambda: None)
+        trainer.take_batch(sock, [], 1, 1, state, cfg, addr, 64)
     sock.close()
     msg = str(e.value.code)
     assert addr in msg and "run.peer_timeout_s" in msg and "is verifier.py running" in msg
