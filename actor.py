@@ -454,6 +454,7 @@ class Actor:
             waiting = blocked or (cfg.actor.schedule == "conventional" and not st.inflight)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), 0.05 if waiting else 0.25)
+        self.progress.release()
         if stop.is_set():
             self.log(final=True)  # stopped (SIGTERM): its last window too
         await self.cancel_all()
@@ -513,6 +514,7 @@ class Actor:
         """The trainer's "done": the update in progress and the evaluation (a short run's only
         one) finish first; the last log line; the trainer waits for every actor's acknowledgement
         (its last metrics written)."""
+        self.progress.release()  # the run ends: no more progress to watch
         await asyncio.gather(*(t for t in (self.updating, self.eval_task) if t))
         await self.cancel_all()
         self.log(final=True)

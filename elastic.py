@@ -44,8 +44,10 @@ REQUESTS = {
     "tickets": {"inc": int, "epoch": int, "version": int, "want": int, "pushed": list, "drop": list},
     "verifier_hello": {},
     "forward": {"verifier": int, "forward": list, "drop": list},
-    # the checkpoint resumed from: its step, epoch, and the group ids done (trained or dropped)
-    "trainer_hello": {"epoch": int, "step": int, "done_below": int, "done_above": list},
+    # the checkpoint resumed from: its step, epoch, and the group ids done (trained or dropped); the
+    # budget's terms as this trainer trains: batch_size, group_size, max_lag, schedule, G_steps
+    "trainer_hello": {"epoch": int, "step": int, "done_below": int, "done_above": list,
+                      "budget": dict},
     # trained: tickets trained by the step that made `version`; lost: [[verifier, order]] of the
     # forwarded groups the ranks found lost on the way (trainer.whole_groups)
     "report": {"epoch": int, "version": int, "trained": list, "lost": list},
@@ -221,13 +223,14 @@ class Ledger:
         Conventional: B*G_steps samples per RL step (fewer for the first after resuming
         mid-RL-step), all with the RL step's weights (version t - t % G_steps), then none until
         the next RL step's weights."""
-        a, gs, b, t = self.cfg.actor, self.cfg.actor.group_size, self.cfg.trainer.batch_size, self.version
+        a, t = self.budget, self.version
+        b, gs = a["batch_size"], a["group_size"]
         outstanding = gs * len(self.open)
-        if a.schedule == "conventional":
-            rl_step_weights = version >= t - t % a.G_steps
-            return rl_step_weights and outstanding + gs <= (a.G_steps - t % a.G_steps) * b
+        if a["schedule"] == "conventional":
+            rl_step_weights = version >= t - t % a["G_steps"]
+            return rl_step_weights and outstanding + gs <= (a["G_steps"] - t % a["G_steps"]) * b
         u_min = min([k.version for k in self.open.values() if k.state != "forwarded"] + [version])
-        return outstanding + gs <= (u_min - t + a.max_lag + 1) * b
+        return outstanding + gs <= (u_min - t + a["max_lag"] + 1) * b
 
     def grant(self, inc: int, version: int) -> list:
         group = heapq.heappop(self.redo) if self.redo else self.next_group
@@ -291,6 +294,7 @@ class Ledger:
         (its tokens may come from versions this trainer never had), and every id its checkpoint
         does not hold done is granted again first, trained since the checkpoint or not."""
         self.epoch, self.version = max(self.epoch, r["epoch"]) + 1, r["step"]
+        self.budget = r["budget"]  # (the trainer's settings: its B is the one the bound needs)
         if self.open:
             self.give_back(list(self.open), f"trainer epoch {self.epoch} started")
         done = set(r["done_above"])
@@ -409,6 +413,12 @@ class Progress:
             self.armed = now
             with contextlib.suppress(OSError):  # the node's watchdog gone: run.sh says so
                 self.client.acquire(self.scope, now + self.bound)
+
+    def release(self):
+        """No more progress to watch: the loop ended (what follows has bounds of its own)."""
+        if self.client is not None:
+            with contextlib.suppress(OSError):
+                self.client.release(self.scope)
 
 # --- 4. the process: node 0's store, ledger and watchdog; other nodes' watchdog ---------------------
 

@@ -908,7 +908,10 @@ def main():
     if is_main():
         ledger = elastic.Client(cfg, store)
         prune_done(state)
-        reply = ledger.request("trainer_hello", epoch=state.epoch, step=state.step,
+        budget = {"batch_size": cfg.trainer.batch_size, "group_size": cfg.actor.group_size,
+                  "max_lag": cfg.actor.max_lag, "schedule": cfg.actor.schedule,
+                  "G_steps": cfg.actor.G_steps}
+        reply = ledger.request("trainer_hello", epoch=state.epoch, step=state.step, budget=budget,
                                done_below=state.done_below, done_above=sorted(state.done_ids))
         first = [reply["epoch"], *(x for item in reply["forwards"] for x in item)]
     # sync: rank 0's epoch and where each verifier's forwards stand to every rank
@@ -970,6 +973,8 @@ def main():
         save_checkpoint(state, cfg, tokenizer)
     if server is not None:
         server.close("done")  # after the newest weights; the actors exit 0 on it
+    state.progress.release()  # (what follows is bounded: the actors' acknowledgements, 30 s)
+    if server is not None:
         # their last metrics are written once they have seen it (run.sh then stops the run)
         deadline = time.time() + 30
         while store.add("done_ack", 0) < len(server.members) and time.time() < deadline:

@@ -53,6 +53,12 @@ def receive_weights(pg, expected=None):
     return header["version"], {n: t.clone() for n, t in weights_sync.iter_tensors(pg, header)}
 
 
+def budget_of(cfg) -> dict:
+    """The lag budget's terms as trainer rank 0 sends them to the ledger at its hello (trainer.main)."""
+    return {"batch_size": cfg.trainer.batch_size, "group_size": cfg.actor.group_size,
+            "max_lag": cfg.actor.max_lag, "schedule": cfg.actor.schedule, "G_steps": cfg.actor.G_steps}
+
+
 class Owner:
     """Node 0's owner process as run.sh starts it (`python elastic.py`: the run's store, the ledger, the
     node's watchdog), on free ports: `overrides` for the roles, a `store` and a `ledger` client, `journal()`
@@ -77,8 +83,8 @@ class Owner:
         self.inc, self.epoch = None, None
 
     def open_epoch(self, step=0):
-        self.epoch = self.ledger.request("trainer_hello", epoch=0, step=step, done_below=0,
-                                         done_above=[])["epoch"]
+        self.epoch = self.ledger.request("trainer_hello", epoch=0, step=step, done_below=0, done_above=[],
+                                         budget=budget_of(self.cfg))["epoch"]
         self.inc = self.ledger.request("actor_hello", pid=os.getpid(), host="test")["inc"]
 
     def tickets(self, n, version=0, **reports):

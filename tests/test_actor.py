@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, free_port, fsdp_manifest, read_jsonl, recv
+from conftest import REPO, Owner, budget_of, free_port, fsdp_manifest, read_jsonl, recv
 
 import actor
 import common
@@ -30,7 +30,7 @@ import weights_sync as ws
 
 torch.set_num_threads(1)
 PROMPTS = ["12+34=\n", "7+8=\n", "305+96=\n", "1+1=\n"]
-_STORE = [None]  # the env's store: `_pull` marks the groups it received forwarded there
+_FAKE = [None]  # the env's FakeTrainer: `_pull` forwards through it
 
 
 # --- fixtures: models, one engine, a fake trainer rank 0 ------------------------------------------------
@@ -61,45 +61,44 @@ def constant_model(sd, token_id, seed=1):
 
 
 class FakeTrainer:
-    """Trainer rank 0 of the weight group, by hand: forms groups as weights_sync.WeightServer does
-    (group/<g> in the store, "group <g>" announced, the rendezvous under weights/<g>), announces and
-    broadcasts versions (from a thread). With each version it publishes the run's admission budget
-    (budget/<cut>) as a trainer of batch_size samples a version would, no member lost."""
+    """Trainer rank 0 by hand, against a real ledger (conftest.Owner, the run's owner process): says hello
+    (its epoch), forms rosters as weights_sync.WeightServer does (roster/<g> in the store, "roster <g>"
+    announced, the rendezvous under weights/<g>) and broadcasts versions (from a thread). As the verifier
+    forwards a group (`_pull`: once all its samples came) and as the trainer reports the groups each version
+    trained (every forwarded one, before the version goes out), through the ledger: the budget is the
+    ledger's own."""
 
-    def __init__(self, store, epoch=1, batch_size=8):
+    def __init__(self, owner):
         # a connection of its own, as the trainer's: a rendezvous waiting on a shared one would hold
         # the actor's reads on it (a TCPStore client serves one call at a time)
-        self.store = ws.create_store(store.host, store.port, False, 60)
-        self.epoch, self.version, self.batch_size = epoch, -1, batch_size
-        self.sender = self.pg = self.cut = None
-        self.members, self.first = {}, None  # the current group's, and the version of its first weights
+        self.owner, self.store = owner, ws.create_store("127.0.0.1", owner.cfg.sync.port, False, 60)
+        self.ledger = elastic.Client(owner.cfg, self.store)
+        self.verifier = self.ledger.request("verifier_hello")["verifier"]
+        self.version, self.epoch, self.sender, self.pg = -1, None, None, None
+        self.members, self.forwarded, self.arrived = {}, [], collections.Counter()
+        self.fresh_epoch()
 
-    def regroup(self, members: dict, cut=False, join=None, per=1, redo="", floor=0):
-        """A new group of rank 0 and `members` (incarnation -> first weight rank; `per` ranks each),
-        announced; it is formed once they meet: by themselves (an actor loop), or by `join(g)`. A cut
-        fences the group ids (new ones from `floor` on at least) and lists `redo` to generate first."""
-        g = int(self.store.add("group/count", 1))
-        # none of the group before: a cut (each test's fresh incarnation starts the budget afresh)
-        cut = cut or not set(members) & set(self.members)
-        new = set(members) if cut else set(members) - set(self.members)
-        self.cut = g if cut else self.cut
-        # the version its first weights carry: a WeightServer's newest copy; here the next send's
+    def fresh_epoch(self, cfg=None, done_below=None, done_above=()):
+        """A (re)started trainer of `cfg`'s budget (default: the owner's): a new epoch from its version;
+        every id granted so far done unless said otherwise (a test starts with an empty budget and new
+        ids) -> the first new id."""
+        issued = [e["group"] for e in self.owner.journal() if e["event"] == "issued"]
+        top = max(issued, default=-1) + 1
+        self.cfg = cfg or getattr(self, "cfg", self.owner.cfg)
+        self.epoch = self.ledger.request("trainer_hello", epoch=0, step=max(self.version, 0),
+                                         done_below=top if done_below is None else done_below,
+                                         done_above=list(done_above), budget=budget_of(self.cfg))["epoch"]
+        self.forwarded = []
+        return top
+
+    def roster(self, members: dict, join=None, per=1):
+        """A new roster of rank 0 and `members` (incarnation -> first weight rank; `per` ranks each),
+        announced; it is formed once they meet: by themselves (an actor loop), or by `join(g)`."""
+        g = int(self.store.add("roster/count", 1))
         self.members = members
-        if cut:  # the budget counts from the cut's first weights (set by consumed())
-            self.first = None
-            elastic.fence(self.store, g, floor)
-            self.store.set(f"budget/{g}/started", "0")
-            ids = [i for i in redo.split(",") if i]  # as elastic.Ledger.start_cut lists them
-            self.store.set(f"redo/{g}", "".join(f"{i}," for i in ids))
-            self.store.add(f"redo/{g}/count", len(ids))
-            self.store.set(f"redo/{g}/taken", "0 trainer")
-            self.store.set(f"budget/{self.cut}", f"{self.version + 1} 0 0")
-        for inc in new:
-            self.store.set(f"oldest/{inc}", f"{self.cut} {self.version + 1}")
-        self.store.set(f"group/{g}", json.dumps({"members": members, "cut": self.cut,
-                                                 "epoch": self.epoch, "version": self.version + 1,
-                                                 "lost": []}))
-        self.store.set(f"announce/{int(self.store.add('announced', 1))}", f"group {g}")
+        self.store.set(f"roster/{g}", json.dumps({"members": members, "epoch": self.epoch,
+                                                  "version": self.version + 1}))
+        ws.announce(self.store, f"roster {g}")
         box = {}
         th = threading.Thread(target=lambda: box.update(pg=ws.init_group(
             self.store, 0, 1 + len(members) * per, "gloo", 120, f"weights/{g}")))
@@ -113,38 +112,39 @@ class FakeTrainer:
         self.sender = ws.WeightSender(self.store, self.pg, bucket_mb=1)
         return g
 
-    def consumed(self, version):
-        """Before `version` goes out: batch_size samples trained per version since the cut's first
-        (the first sent after it: tests skip versions)."""
-        self.first = version if self.first is None else self.first
-        self.publish(version)
+    def forward(self, ticket, drop=None):
+        """As the verifier: a whole group forwarded (or dropped, saying why) through the ledger."""
+        reply = self.ledger.request("forward", verifier=self.verifier, forward=[] if drop else [ticket],
+                                    drop=[[ticket, drop]] if drop else [])
+        self.forwarded += [k for k, _ in reply["accepted"]]
 
-    def publish(self, version=None):
-        """The budget as elastic.Ledger.publish writes it: the members' drops given back."""
-        version = self.version if version is None else version
-        returned = sum(int(self.store.add(f"dropped/{inc}/{self.cut}", 0)) for inc in self.members)
-        consumed = (version - self.first) * self.batch_size
-        self.store.set(f"budget/{self.cut}", f"{version} {consumed} {returned}")
+    def report(self, version):
+        """The groups forwarded since the last version, trained by the step that made `version`."""
+        self.ledger.request("report", epoch=self.epoch, version=version, trained=self.forwarded, lost=[])
+        self.forwarded = []
 
     def send(self, sd, version=None):
         self.version = self.version + 1 if version is None else version
-        self.consumed(self.version)
+        self.report(self.version)
         self.sender.send(self.version, iter(sd.items()), manifest(sd))
         return self.version
 
     def send_async(self, sd):
-        version = self.version + 1
-        self.version = version
-        self.consumed(version)
-        th = threading.Thread(target=self.sender.send, args=(version, iter(sd.items()), manifest(sd)))
+        self.version += 1
+        self.report(self.version)
+        th = threading.Thread(target=self.sender.send, args=(self.version, iter(sd.items()), manifest(sd)))
         th.start()
-        return th, version
+        return th, self.version
+
+    def incarnations(self) -> set:
+        return set(self.ledger.request("members")["live"])
 
 
-def make_cfg(tmp, model_dir, store_port, rollouts_port, *overrides):
+def make_cfg(tmp, model_dir, owner_overrides, rollouts_port, *overrides):
+    """A role's config against the owner process whose overrides (ports) are given."""
     return common.load_config([
-        f"model.path={model_dir}", f"run.dir={tmp}", f"sync.port={store_port}", "sync.timeout_s=60",
-        f"ports.rollouts={rollouts_port}", "run.peer_timeout_s=60", "run.log_every=0.5",
+        *owner_overrides, f"model.path={model_dir}", f"run.dir={tmp}", "sync.timeout_s=60",
+        f"ports.rollouts={rollouts_port}", "run.log_every=0.5",
         "actor.max_inflight=32", "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "actor.eval_every=0",
         "trainer.batch_size=8", "actor.group_size=4", "sync.verify_every=0", *overrides])
 
@@ -172,16 +172,16 @@ def env(tmp_path_factory, insecure_serialization):
     tmp = tmp_path_factory.mktemp("actor")
     model_dir = random_model_dir(tmp / "model", seed=0)
     tok = make_tokenizer()
-    store = ws.create_store("127.0.0.1", 0, True, 60)  # port 0: the OS picks a free one
-    # a connection of its own for `_pull`, which runs beside the actor's loop (a TCPStore client
-    # serves one call at a time)
-    _STORE[0] = ws.create_store("127.0.0.1", store.port, False, 60)
-    cfg = make_cfg(tmp, model_dir, store.port, free_port())
+    # the run's store and ledger, in a process of their own (python elastic.py); an actor silent for 2 s
+    # is lost (a loop test's actor, once it stops)
+    owner = Owner(tmp, "run.heartbeat_timeout_s=2")
+    store = owner.store
+    cfg = make_cfg(tmp, model_dir, owner.overrides, free_port())
     loop = asyncio.new_event_loop()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")  # inherited by the engine core process
     # Two engines as one actor process starts them (engine 1 stays out of the weight group): their first
     # completions of one prompt, for test_engines_of_one_process_draw_their_own_noise.
-    engine, other = loop.run_until_complete(_start(make_cfg(tmp, model_dir, store.port, free_port(),
+    engine, other = loop.run_until_complete(_start(make_cfg(tmp, model_dir, owner.overrides, free_port(),
                                                             "actor.engines=2")))
     del os.environ["TORCHINDUCTOR_CACHE_DIR"]
     from vllm import SamplingParams
@@ -194,17 +194,16 @@ def env(tmp_path_factory, insecure_serialization):
     firsts = loop.run_until_complete(_gather(first(engine, "first-0"), first(other, "first-1")))
     other.shutdown()
     loop.run_until_complete(actor.init_sync(cfg, [engine]))
-    # the engine in a group of its own, as a fake incarnation (the loop tests' actors register theirs)
-    trainer = FakeTrainer(store)
-    inc = int(store.add("actor/incarnations", 1))
-    trainer.regroup({inc: 1}, join=lambda g: loop.run_until_complete(
-        actor.join_weight_group(cfg, [engine], g, 1, 2)))
+    # the engine in a roster of its own, as a fake incarnation (the loop tests' actors say hello themselves)
+    trainer = _FAKE[0] = FakeTrainer(owner)
+    trainer.roster({1000: 1}, join=lambda g: loop.run_until_complete(actor.join_roster(cfg, [engine], g, 1, 2)))
     sd = state_dict(model_dir)
     ids = {c: tok.convert_tokens_to_ids(c) for c in "ab"}
-    yield dict(tmp=tmp, model_dir=model_dir, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd, firsts=firsts,
-               inductor=tmp / "inductor", trainer=trainer, ids=ids,
+    yield dict(tmp=tmp, model_dir=model_dir, owner=owner, store=store, cfg=cfg, loop=loop, engine=engine, sd=sd,
+               firsts=firsts, inductor=tmp / "inductor", trainer=trainer, ids=ids,
                A=constant_model(sd, ids["a"]), B=constant_model(sd, ids["b"], seed=2))
     engine.shutdown()
+    owner.close()
     pending = asyncio.all_tasks(loop)
     for t in pending:
         t.cancel()
@@ -380,7 +379,7 @@ def test_behaviour_logprobs_match_hf(env, temperature):
     so rounding differences are ~1e-6..1e-5, far below any real mismatch (T not applied: ~0.1..1)."""
     from transformers import Qwen2ForCausalLM
     version = load(env, env["sd"])
-    cfg = make_cfg(env["tmp"], env["model_dir"], 1, 3, f"actor.temperature={temperature}", "actor.max_tokens=24")
+    cfg = make_cfg(env["tmp"], env["model_dir"], [], 3, f"actor.temperature={temperature}", "actor.max_tokens=24")
     params = actor.sampling_params(cfg, cfg.actor.temperature)
     outs = env["loop"].run_until_complete(_gather(*(
         actor.generate(env["engine"], p, params, f"lp{temperature}-{i}") for i, p in enumerate(PROMPTS))))
@@ -442,7 +441,7 @@ def test_top_p_importance_weights_are_one_on_policy(env):
     import loss
     from transformers import Qwen2ForCausalLM
     version = load(env, env["sd"])
-    cfg = make_cfg(env["tmp"], env["model_dir"], 1, 3, "actor.top_p=0.9", "actor.max_tokens=24")
+    cfg = make_cfg(env["tmp"], env["model_dir"], [], 3, "actor.top_p=0.9", "actor.max_tokens=24")
     params = actor.sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
     outs = env["loop"].run_until_complete(_gather(*(
         actor.generate(env["engine"], p, params, f"topp-{i}") for i, p in enumerate(PROMPTS))))
@@ -495,15 +494,16 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False, proc_index=0):
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(common.zmq_addr("127.0.0.1", cfg.ports.rollouts))
     st, stop, result = actor.ActorState(), asyncio.Event(), {}
-
-    registered = int(env["store"].add("actor/incarnations", 0))
+    fake = env["trainer"]
+    fake.fresh_epoch(cfg)  # an empty budget of this test's terms, new group ids
+    known = fake.incarnations()
 
     def trainer():
         try:
-            # the actor registers its incarnation; a group takes it in (it joins by itself)
-            while int(_STORE[0].add("actor/incarnations", 0)) == registered:
+            # the actor says hello to the ledger; a roster takes it in (it joins by itself)
+            while not fake.incarnations() - known:
                 time.sleep(0.01)
-            env["trainer"].regroup({registered + 1: 1})
+            fake.roster({max(fake.incarnations() - known): 1})
             result["value"] = trainer_fn(pull, st)
         except BaseException as e:  # noqa: BLE001
             result["error"] = e
@@ -548,28 +548,24 @@ def _run_loop(env, cfg, trainer_fn, ends_itself=False, proc_index=0):
     return st, result["value"], rest
 
 
-_ARRIVED = collections.Counter()  # (store port, cut, group id) -> its samples received (`_pull`)
-
-
-def _pull(pull, n, timeout_s=60, store=None):
-    """n rollouts; as the verifier does, each training group received whole is marked forwarded
-    (elastic.forwarded: it may leave its actor's u_min) in `store` (default: the env's)."""
-    out = []
-    store = store or _STORE[0]
+def _pull(pull, n, timeout_s=60, fake=None):
+    """n rollouts; as the verifier does, each training group received whole is forwarded through the
+    ledger (it leaves u_min) by `fake` (default: the env's FakeTrainer)."""
+    out, fake = [], fake or _FAKE[0]
     for _ in range(n):
         assert pull.poll(timeout_s * 1000), f"deadlock: got {len(out)} of {n} rollouts in {timeout_s} s"
         h, a = recv(pull, "rollout")
         out.append((h, a))
-        key = (store.port, h["cut"], h["group_id"])
-        _ARRIVED[key] += not h["eval"]
-        if not h["eval"] and _ARRIVED[key] == h["group_size"]:
-            elastic.forwarded(store, h["inc"], h["cut"], h["group_id"])
+        if not h["eval"]:
+            fake.arrived[h["ticket"]] += 1
+            if fake.arrived[h["ticket"]] == h["group_size"]:
+                fake.forward(h["ticket"])
     return out
 
 
 def test_slow_trainer_lag_bounded_nothing_dropped(env):
     max_lag, B, steps = 1, 8, 5
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), f"actor.max_lag={max_lag}",
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), f"actor.max_lag={max_lag}",
                    "actor.max_tokens=48", "actor.max_inflight=16")
     lags, consumed = [], []
 
@@ -584,19 +580,20 @@ def test_slow_trainer_lag_bounded_nothing_dropped(env):
         return v0
 
     st, v0, rest = _run_loop(env, cfg, slow_trainer)
-    assert max(lags) <= max_lag, f"lag {max(lags)} > max_lag {max_lag}"
+    assert max(lags) <= max_lag, (f"lag {max(lags)} > max_lag {max_lag}", v0, " ".join(
+        f"{i // B}:{h['ticket']}:{a['versions'].min()}-{a['versions'].max()}" for i, (h, a) in enumerate(consumed)))
     assert max(lags) >= 1  # the test exercised stale tokens
     assert st.blocked_s > 0  # admission control, not capacity, held the actor back
     everything = consumed + rest
-    assert len(everything) == st.started_total == st.pushed  # nothing dropped
-    assert st.started_total <= (st.version - v0 + max_lag + 1) * B
+    assert len(everything) == st.started == st.pushed  # nothing dropped
+    assert st.started <= (st.version - v0 + max_lag + 1) * B
     groups = {}
     for h, a in everything:
         groups.setdefault(h["group_id"], []).append(h["sample_idx"])
         assert len(a["logprobs"]) == len(a["completion_ids"]) == len(a["versions"]) > 0
         assert (a["versions"] >= v0).all()
     assert all(sorted(s) == list(range(4)) for s in groups.values())  # every started group complete
-    # prompt order: consecutive ids from the run's counter
+    # prompt order: consecutive ids from the ledger
     assert sorted(groups) == list(range(min(groups), min(groups) + len(groups)))
 
 
@@ -607,7 +604,7 @@ def test_skipped_steps_do_not_stall_admission(env):
     new version first, as trainer.main does. Every step gets its samples, and every lag is 0."""
     import trainer
     max_lag, B, steps, skipped = 0, 8, 5, {1, 2}
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), f"actor.max_lag={max_lag}",
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), f"actor.max_lag={max_lag}",
                    "actor.max_tokens=16", "actor.max_inflight=16")
     lags = []
 
@@ -628,59 +625,55 @@ def test_skipped_steps_do_not_stall_admission(env):
 
 
 def test_resume_generates_untrained_groups_first(env):
-    """A trainer that resumed lists the groups below its checkpoint's last that were never trained on (in
-    flight at the checkpoint: the slow, long ones; store key redo/<cut>); the actor starts each of them
-    once, before new ids from the run's counter (groups/next)."""
+    """A trainer that resumed from a checkpoint which does not hold ids 2 and 5 done (in flight then: the
+    slow, long ones): the ledger grants each of them once, first, before new ids; the actor gives up the
+    earlier epoch's work when the new epoch's roster comes, and generates them."""
     B = 8
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8")
-    store, fake = env["store"], env["trainer"]
-    fake.epoch += 1  # a restarted trainer: its first group is a cut
-    first_new = max(10, int(store.get("groups/next").split()[1]))
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_tokens=8")
+    fake = env["trainer"]
     consumed = []
 
     def trainer_fn(pull, st):
-        fake.regroup(dict(fake.members), cut=True, redo="2,5", floor=first_new)
+        top = max(e["group"] for e in env["owner"].journal() if e["event"] == "issued") + 1
+        fake.fresh_epoch(done_below=0, done_above=[g for g in range(top) if g not in (2, 5)])
+        fake.roster(dict(fake.members))  # the new epoch's roster
         fake.send(env["sd"])
         for _ in range(2):
             consumed.extend(_pull(pull, B))
             fake.send(env["sd"])
+        return top
 
-    st, _, rest = _run_loop(env, cfg, trainer_fn)
-    groups = {h["group_id"] for h, _ in consumed + rest}
-    assert {2, 5, first_new, first_new + 1} <= groups, sorted(groups)
-    assert not {g for g in groups if g < first_new} - {2, 5}, sorted(groups)
+    st, top, rest = _run_loop(env, cfg, trainer_fn)
+    groups = {h["group_id"] for h, _ in consumed + rest if h["epoch"] == fake.epoch}
+    assert {2, 5, top, top + 1} <= groups, sorted(groups)
+    assert not {g for g in groups if g < top} - {2, 5}, sorted(groups)
 
 
-def test_an_excluded_incarnation_starts_nothing_while_it_gives_up_its_groups(env):
-    """The trainer counts this incarnation lost while it generates (its heartbeat late: a group without
-    it, "lost" naming it). It cancels every request in flight, and each cancel yields to its loop: a
-    group admitted then was pushed under the next incarnation, never a member, and taken off the books
-    that counted it (elastic.regroup -> Actor.drop_all)."""
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=4",
+def test_an_incarnation_counted_lost_starts_nothing_while_it_gives_up_its_groups(env):
+    """The ledger counts this incarnation lost while it generates (here: the trainer said so). Its next
+    request learns it: it cancels every request in flight, and each cancel yields to its loop, yet nothing
+    starts meanwhile; it says hello again as a new incarnation, in no roster: it pushes nothing more."""
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_lag=4",
                    "actor.max_tokens=48", "actor.max_inflight=16", "run.peer_timeout_s=300")
     fake = env["trainer"]
     after = []
 
     def trainer_fn(pull, st):
         fake.send(env["sd"])
-        _pull(pull, 4)  # generating: four groups in flight
+        _pull(pull, 4)  # generating: groups in flight
         lost = st.inc
-        store = fake.store
-        g = int(store.add("group/count", 1))
-        store.set(f"group/{g}", json.dumps({"members": {}, "cut": fake.cut, "epoch": fake.epoch,
-                                            "version": fake.version, "lost": [lost]}))
-        store.set(f"announce/{int(store.add('announced', 1))}", f"group {g}")
+        fake.ledger.request("lost", inc=lost, why="the test")
         deadline = time.time() + 3
         while time.time() < deadline:
             if pull.poll(100):
-                h, _ = recv(pull, "rollout")
-                after.append(h["inc"])
+                after.append(recv(pull, "rollout")[0]["ticket"])
         return lost
 
     st, lost, rest = _run_loop(env, cfg, trainer_fn)
-    strays = [inc for inc in after + [h["inc"] for h, _ in rest] if inc != lost]
+    holder = {e["ticket"]: e["inc"] for e in env["owner"].journal() if e["event"] == "issued"}
+    strays = [k for k in after + [h["ticket"] for h, _ in rest] if holder[k] != lost]
     assert st.inc != lost and not strays, f"{len(strays)} samples of incarnation {st.inc}, never a member"
-    assert st.inflight == 0 and not st.groups
+    assert st.inflight == 0 and not st.groups and st.roster is None
 
 
 def test_weights_owed_hand_worked():
@@ -697,7 +690,7 @@ def test_conventional_schedule_exact_batches_one_version(env, tmp_path, capsys):
     run.log_every longer than the run, that window is the last of two lines (the first: the loop's first
     pass, before any sample), and it holds every update."""
     B, G = 8, 2
-    cfg = make_cfg(tmp_path, env["model_dir"], env["store"].port, free_port(), "actor.schedule=conventional",
+    cfg = make_cfg(tmp_path, env["model_dir"], env["owner"].overrides, free_port(), "actor.schedule=conventional",
                    f"actor.G_steps={G}", f"actor.max_lag={G - 1}", "actor.max_tokens=24", "run.log_every=3600")
     per_version = {}
 
@@ -716,7 +709,7 @@ def test_conventional_schedule_exact_batches_one_version(env, tmp_path, capsys):
     st, last, rest = _run_loop(env, cfg, trainer, ends_itself=True)
     assert sorted(per_version) == [(last - k * G,) for k in (3, 2, 1, 0)]  # one version per batch
     assert all(len(v) == B * G for v in per_version.values()) and not rest
-    assert st.started - st.consumed == B * G and st.inflight == 0  # the last RL step's, none beyond
+    assert st.started == 4 * B * G and st.inflight == 0  # four RL steps' samples, none beyond
     first, line = [dict(kv.split("=", 1) for kv in line.split()[3:])  # "[actor] step N k=v ..."
                    for line in capsys.readouterr().out.splitlines() if line.startswith("[actor] step")]
     assert int(first["updates"]) == 0 and float(first["samples_per_s"]) == 0, first
@@ -724,24 +717,30 @@ def test_conventional_schedule_exact_batches_one_version(env, tmp_path, capsys):
     assert float(line["pause_s_mean"]) > 0 and float(line["samples_per_s"]) > 0, line
 
 
-def test_heartbeat_from_registration_and_while_generating(env):
-    """The incarnation's heartbeat (alive/<inc>) is in the store when it registers, before any group takes
-    it in (the trainer takes only beating incarnations), and its value changes every run.log_every while
-    the actor generates: weights_sync.WeightServer counts an incarnation lost when it stops changing."""
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8",
-                   "run.log_every=0.2")
-    seen = []
+def test_the_actor_speaks_to_the_ledger_while_it_waits_and_while_it_generates(env):
+    """The ledger counts an actor silent for run.heartbeat_timeout_s (2 s here) lost. The actor's loop asks
+    it for tickets at least every 0.25 s, also while it waits for its first weights and while the trainer
+    is slow: never counted lost while its loop runs; counted lost within seconds once it stops."""
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_tokens=8")
+    seen = {}
 
     def trainer_fn(pull, st):
-        seen.append(_STORE[0].get(f"alive/{st.inc}"))  # registered, not yet sent weights
+        seen["inc"] = st.inc
+        time.sleep(3)  # no weights yet
         env["trainer"].send(env["sd"])
-        for _ in range(8):
-            _pull(pull, 1)
-            time.sleep(0.1)
-            seen.append(_STORE[0].get(f"alive/{st.inc}"))
+        _pull(pull, 8)
+        time.sleep(3)  # a slow trainer
+        env["trainer"].send(env["sd"])
+        seen["running"] = env["trainer"].incarnations()
 
     _run_loop(env, cfg, trainer_fn)
-    assert len(set(seen)) >= 3, seen
+    assert seen["inc"] in seen["running"]
+    deadline = time.time() + 30
+    while seen["inc"] in env["trainer"].incarnations() and time.time() < deadline:
+        time.sleep(0.2)
+    assert seen["inc"] not in env["trainer"].incarnations()
+    (lost,) = [e for e in env["owner"].journal() if e["event"] == "lost" and e["inc"] == seen["inc"]]
+    assert lost["why"] == "silent for 2 s (run.heartbeat_timeout_s)"
 
 
 def test_the_startup_heap_is_out_of_the_collectors_reach(env):
@@ -751,7 +750,7 @@ def test_the_startup_heap_is_out_of_the_collectors_reach(env):
     frozen and the engine's next requests and weight updates waiting on it."""
     import gc
     gc.unfreeze()  # an earlier test's loop froze this process's heap
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_tokens=8")
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_tokens=8")
     seen = {}
 
     def trainer_fn(pull, st):
@@ -777,31 +776,40 @@ def _pull_training(pull, n, evals=None, timeout_s=60):
 
 
 def test_dropped_samples_are_given_back_lag_bounded(env):
-    """max_lag=0: the actor may start exactly B samples per version. The trainer drops a group of every
-    batch (as the verifier does with zero-advantage groups) and reports it through the store; the actor
-    must start a replacement, or the trainer waits forever for samples never started. Runs as actor
+    """max_lag=0: the actor may start exactly B samples per version. The verifier drops a group of every
+    batch (as it does zero-advantage groups) and tells the ledger; the budget counts it given back, so the
+    actor starts a replacement, or the trainer would wait forever for samples never started. Runs as actor
     process 1 with actor.eval_every=1: only process 0 evaluates, so no evaluation rollout may appear."""
     B, gs, steps = 8, 4, 4
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=0",
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_lag=0",
                    "actor.max_tokens=24", "actor.eval_every=1", "data.test_size=8")
-    lags = []
+    fake, lags = env["trainer"], []
+
+    def received(pull, n):  # n training rollouts, not forwarded yet
+        out = []
+        while len(out) < n:
+            assert pull.poll(60_000), "deadlock"
+            out.append(recv(pull, "rollout"))
+            assert not out[-1][0]["eval"], "an evaluation rollout from an actor that must not evaluate"
+        return out
 
     def trainer(pull, st):
-        v0 = env["trainer"].send(env["sd"])
+        v0 = fake.send(env["sd"])
         for step in range(steps):
-            batch = _pull_training(pull, B)
-            dropped = [x for x in batch if x[0]["group_id"] == batch[0][0]["group_id"]]
-            _STORE[0].add(f"dropped/{st.inc}/{st.cut}", len(dropped))  # as the verifier does
-            elastic.forwarded(_STORE[0], st.inc, st.cut, batch[0][0]["group_id"])
-            env["trainer"].publish()  # as the trainer does while it waits
-            batch = [x for x in batch if x not in dropped] + _pull_training(pull, len(dropped))
+            batch = received(pull, B)
+            tickets = sorted({h["ticket"] for h, _ in batch})
+            fake.forward(tickets[0], drop="zero_adv")
+            for k in tickets[1:]:
+                fake.forward(k)
+            batch = [x for x in batch if x[0]["ticket"] != tickets[0]] + _pull(pull, gs)
             lags.extend(int(x) for _, a in batch for x in (v0 + step) - a["versions"])
-            env["trainer"].send(env["sd"])
+            fake.send(env["sd"])
         return v0
 
     st, v0, rest = _run_loop(env, cfg, trainer, proc_index=1)
     assert len(lags) > 0 and max(lags) == 0  # lag <= max_lag = 0 although a quarter of the samples vanished
-    assert st.returned == gs * steps and st.started_total == st.pushed
+    dropped = [e for e in env["owner"].journal() if e["event"] == "dropped" and e["why"] == "zero_adv"]
+    assert len(dropped) >= steps and st.started == st.pushed
     assert not [h for h, _ in rest if h["eval"]]
 
 
@@ -811,7 +819,7 @@ def test_evaluation_spans_an_update_without_delaying_it(env):
     evaluation rollouts carry v1 tokens, and training rollouts sampled by v1 arrive before the
     evaluation's last one. (When the update waited for the evaluation in flight, all its tokens were v0.)"""
     n_test = 24
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=3",
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_lag=3",
                    "actor.max_tokens=32", "actor.max_inflight=16", "actor.eval_every=1", f"data.test_size={n_test}")
     events = []
 
@@ -838,7 +846,7 @@ def test_first_evaluation_waits_for_the_first_batch(env):
     """The first evaluation pass starts only once the trainer's first batch (B training samples) has
     been pushed: its requests never compete with the samples the trainer is waiting for."""
     n_test, B = 8, 8
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=2",
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_lag=2",
                    "actor.max_tokens=32", "actor.max_inflight=16", "actor.eval_every=1",
                    f"data.test_size={n_test}", f"trainer.batch_size={B}")
     events = []
@@ -858,16 +866,17 @@ def test_first_evaluation_waits_for_the_first_batch(env):
 def test_backpressure_does_not_block_the_loop(env):
     """Nobody reads the rollouts: ZMQ's queue fills (SNDHWM 1000) and every push waits. The actor's loop
     must still take an announced update and stop when asked (a blocking send froze it)."""
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=400",
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_lag=400",
                    "actor.max_tokens=2", "actor.max_inflight=32")  # nothing binds ports.rollouts
-    st, stop = actor.ActorState(), asyncio.Event()
-    box, registered = {}, int(env["store"].add("actor/incarnations", 0))
+    st, stop, fake = actor.ActorState(), asyncio.Event(), env["trainer"]
+    fake.fresh_epoch(cfg)
+    box, known = {}, fake.incarnations()
 
-    def first_weights():  # a group takes the actor's new incarnation in, then its first weights
-        while int(_STORE[0].add("actor/incarnations", 0)) == registered:
+    def first_weights():  # a roster takes the actor's new incarnation in, then its first weights
+        while not fake.incarnations() - known:
             time.sleep(0.01)
-        env["trainer"].regroup({registered + 1: 1})
-        env["trainer"].send(env["sd"])
+        fake.roster({max(fake.incarnations() - known): 1})
+        fake.send(env["sd"])
 
     async def scenario():
         task = asyncio.ensure_future(actor.run_actor(cfg, [env["engine"]], env["store"], stop, 0, st))
@@ -885,14 +894,13 @@ def test_backpressure_does_not_block_the_loop(env):
     th.start()
     th.join(timeout=180)
     assert not th.is_alive(), "the actor's loop is blocked"
-    assert st.version == box["version"] and st.pushed < st.started_total  # pushes were still waiting
+    assert st.version == box["version"] and st.pushed < st.started  # pushes were still waiting
 
 
-def _restore_env_group(env):
-    """The env engine back in a group of the FakeTrainer's (after a test that moved it elsewhere)."""
-    inc = int(env["store"].add("actor/incarnations", 1))
-    env["trainer"].regroup({inc: 1}, join=lambda g: env["loop"].run_until_complete(
-        actor.join_weight_group(env["cfg"], [env["engine"]], g, 1, 2)))
+def _restore_env_roster(env):
+    """The env engine back in a roster of the FakeTrainer's (after a test that moved it elsewhere)."""
+    env["trainer"].roster({1000: 1}, join=lambda g: env["loop"].run_until_complete(
+        actor.join_roster(env["cfg"], [env["engine"]], g, 1, 2)))
 
 
 def test_weight_server_newest_only_bit_identical(env):
@@ -906,22 +914,27 @@ def test_weight_server_newest_only_bit_identical(env):
     import hashlib
     import trainer as T
     store = ws.create_store("127.0.0.1", env["store"].port, False, 60)  # the receiver's own connection
-    cfg = common.load_config([f"model.path={env['model_dir']}", f"run.dir={env['tmp']}", "trainer.batch_size=8",
-                              "actor.group_size=4", f"sync.port={store.port}", "run.heartbeat_timeout_s=60"])
+    # (a roster's members meet within run.heartbeat_timeout_s: this slow receiver may take a while)
+    cfg = common.load_config([*env["owner"].overrides, f"model.path={env['model_dir']}", f"run.dir={env['tmp']}",
+                              "trainer.batch_size=8", "actor.group_size=4", "run.heartbeat_timeout_s=60"])
     state = T.build_state(cfg, torch.device("cpu"))
     v0 = env["trainer"].version + 1
     versions, expected, done = range(v0, v0 + 40), {}, threading.Event()
-    inc = int(store.add("actor/incarnations", 1))
+    inc = elastic.Client(cfg, store).request("actor_hello", pid=os.getpid(), host="test")["inc"]
 
-    def beat():
-        beats = ws.create_store("127.0.0.1", store.port, False, 60)
+    def speak():  # as the actor's loop: it asks the ledger, so it is alive
+        ledger = elastic.Client(cfg, ws.create_store("127.0.0.1", store.port, False, 60))
         while not done.is_set():
-            beats.set(f"alive/{inc}", str(time.time()))
+            ledger.request("tickets", inc=inc, epoch=-1, version=-1, want=0, pushed=[], drop=[])
             time.sleep(0.2)
-    threading.Thread(target=beat, daemon=True).start()
-    server = ws.WeightServer(cfg, version=v0, device=torch.device("cpu"), group=elastic.Membership(cfg, epoch=1))
+    threading.Thread(target=speak, daemon=True).start()
+    first = int(store.add("announced", 0))  # the server's first roster comes right after this
+    server = ws.WeightServer(cfg, v0, torch.device("cpu"), epoch=env["trainer"].epoch,
+                             ledger=lambda: elastic.Client(cfg, ws.create_store("127.0.0.1", store.port, False, 60)))
 
     def trainer_thread():
+        # a connection of its own: the receiver's waits on `store` block it (one call at a time)
+        probes = ws.create_store("127.0.0.1", store.port, False, 60)
         for v in versions:
             state.step = v
             with torch.no_grad():
@@ -929,7 +942,7 @@ def test_weight_server_newest_only_bit_identical(env):
                     u.shard.add_(1e-3 if v > v0 else 0.0)
             expected[v] = {n: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
                            for unit in state.fsdp.full_units(torch.float32) for n, t in unit.items()}
-            T.send_weights(state, server, store, cfg, wait=v in (v0, versions[-1]))  # never skipped
+            T.send_weights(state, server, probes, cfg, wait=v in (v0, versions[-1]))  # never skipped
             time.sleep(0.02)
         server.close("end")  # after the last broadcast
         done.set()
@@ -941,16 +954,16 @@ def test_weight_server_newest_only_bit_identical(env):
                                           .numpy().tobytes()).hexdigest() for e in entries}
 
     async def receiver():
-        got, n = [], int(store.add("announced", 0))
+        got, n = [], first
         while True:
             n += 1
             store.wait([f"announce/{n}"])
             value = store.get(f"announce/{n}").decode()
-            if value.startswith("group "):
+            if value.startswith("roster "):
                 g = int(value.split()[1])
-                info = json.loads(store.get(f"group/{g}"))
+                info = json.loads(store.get(f"roster/{g}"))
                 if str(inc) in info["members"]:
-                    await actor.join_weight_group(cfg, [env["engine"]], g, info["members"][str(inc)], 2)
+                    await actor.join_roster(cfg, [env["engine"]], g, info["members"][str(inc)], 2)
                 continue
             if value == "end":
                 return got
@@ -964,158 +977,61 @@ def test_weight_server_newest_only_bit_identical(env):
         got = env["loop"].run_until_complete(receiver())
     finally:
         th.join()
-        _restore_env_group(env)
+        done.set()
+        _restore_env_roster(env)
     env["trainer"].version = versions[-1]
     received = [v for v, _, _ in got]
     assert [v for _, v, _ in got] == received  # each broadcast carries its own version
-    # the group forms once the receiver's beat is seen changing: its first weights are the newest copy then
+    # the roster forms once the ledger counts the receiver alive: its first weights are the newest copy then
     assert received == sorted(set(received)) and received[0] >= v0 and received[-1] == versions[-1]
     for version, _, digest in got:
         assert digest == expected[version], version  # bit-identical, not torn
     assert len(received) < len(versions) // 2  # the slow receiver made the trainer skip versions
 
 
-def test_admission_budgets_hand_worked():
-    """admit(): the run's pipeline budget (u_min - t + max_lag + 1)*B minus what is outstanding (started, not
-    yet trained on nor given back), u_min the oldest version in flight in any member (another actor's
-    slow group holds this one too: with each its own, a run of two actors trained 4% of its tokens beyond
-    max_lag, up to 14 versions behind); conventional quota (G - t % G)*B per RL step (a run resumed
-    mid-RL-step finishes that RL step, no extra batch)."""
-    def cfg(*kv):
-        return common.load_config(["trainer.batch_size=8", "actor.group_size=4", *kv])
-    pipe = cfg("actor.max_lag=1")
-    # trained up to version 5 (8 consumed), holding 7: (7-5+1+1)*8 = 32 may be outstanding
-    st = actor.ActorState(budget_ready=True, version=7, trainer_version=5, consumed=8, started=36, share=8)
-    assert actor.admit(pipe, st)  # 28 outstanding + 4 fits
-    st.started = 40
-    assert not actor.admit(pipe, st)
-    st.consumed = 12  # the trainer took 4 more at the same version
-    assert actor.admit(pipe, st)
-    # a group started at version 6 is still running: u_min = 6 -> 24
-    st.groups = {0: actor.Group(version=6, left=4, engine=0)}
-    st.started, st.returned, st.consumed = 32, 4, 8  # 4 of them were dropped: 20 outstanding
-    assert actor.admit(pipe, st) and not actor.admit(pipe, actor.ActorState(**{**vars(st), "others_oldest": 5}))
-    conv = cfg("actor.schedule=conventional", "actor.G_steps=4", "actor.max_lag=3")
-    st = actor.ActorState(budget_ready=True, version=8, trainer_version=8, started=28, share=8)
-    assert actor.admit(conv, st) and (setattr(st, "started", 32) or not actor.admit(conv, st))
-    # the trainer published version 8's budget before announcing its weights: nothing starts on version 4's
-    early = actor.ActorState(budget_ready=True, version=4, trainer_version=8, started=16, consumed=16)
-    assert not actor.admit(conv, early) and (setattr(early, "version", 8) or actor.admit(conv, early))
-    st = actor.ActorState(budget_ready=True, version=10, trainer_version=10, started=12,
-                          share=8)  # resumed at step 10: 2 steps left
-    assert actor.admit(conv, st) and (setattr(st, "started", 16) or not actor.admit(conv, st))
-    st.returned = 4
-    assert actor.admit(conv, st)
-
-
-def test_one_budget_for_all_actors_and_a_lost_ones_samples_come_back():
-    """Two actor incarnations share the run's budget through a real store, as the actor's loop uses it
-    (elastic.reserve, elastic.publish_oldest, elastic.read_budget), and elastic.Ledger (the trainer's
-    books, one rank) publishes it. B = 8, max_lag = 1: 16 samples at once, whichever actor starts them.
-    Incarnation 2's slow group of version 3 holds incarnation 1 at version 4 too: with a budget of its own
-    (its oldest version 4), it would start two more groups, the trainer would train version 4 and 5 on them
-    and the slow group's version-3 tokens at lag >= 2 (a run of two actors trained 4% of its tokens beyond
-    max_lag, up to 14 versions behind). Then incarnation 2 is lost: every sample it started and that was
-    not trained comes back, the ones the verifier dropped included (they were counted twice out before)."""
-    from types import SimpleNamespace
-    store = ws.create_store("127.0.0.1", 0, True, 30)
-    cfg = common.load_config(["trainer.batch_size=8", "actor.group_size=4", "actor.max_lag=1"])
-    cut = 1
-    store.set(f"budget/{cut}", "3 0 0")  # as the trainer's books publish a cut: version 3, nothing consumed
-    store.set(f"budget/{cut}/started", "0")
-    store.set(f"redo/{cut}", "")
-    store.set(f"redo/{cut}/taken", "0 trainer")
-    store.add("actor/incarnations", 2)
-    books = elastic.Ledger(store, None, None)
-    books.cut = cut
-    actors = {}
-    for inc in (1, 2):
-        st = actor.ActorState(version=3, inc=inc, weight_group=1, cut=cut, cut_version=3, others=[3 - inc])
-        actors[inc] = SimpleNamespace(store=ws.create_store("127.0.0.1", store.port, False, 30), cfg=cfg,
-                                      st=st, published=None)
-        store.set(f"oldest/{inc}", f"{cut} 3")
-    for a in actors.values():
-        actor.Actor.refresh_budget(a)
-
-    def start(inc):  # Actor.admit_groups' check, then its count in the store
-        a = actors[inc]
-        if not (actor.admit(cfg, a.st) and elastic.reserve(a.store, a.st, 4, lambda s: actor.admit(cfg, s))):
-            return False
-        a.st.groups[10 * inc + len(a.st.groups)] = actor.Group(version=a.st.version, left=4, engine=0)
-        return True
-    assert start(1) and start(2) and start(1) and start(2) and not start(1) and not start(2)
-    assert store.get(f"budget/{cut}/started") == b"16 1:8 2:8"  # the refused ones never counted
-    # version 3 trained on incarnation 1's 8; incarnation 2's first group (20) is with the verifier, its
-    # second (21) is slow: in flight at version 3
-    books.settle([1] * 8)
-    books.publish(4, {1, 2})
-    for gid in (10, 11, 20):
-        actors[gid // 10].st.groups[gid].left = 0  # pushed
-    for gid in (10, 11):  # forwarded by the verifier and trained
-        elastic.forwarded(store, gid // 10, cut, gid)
-    for a in actors.values():
-        a.st.version = 4
-        actor.Actor.refresh_budget(a)
-        actor.Actor.publish_oldest(a)
-    assert store.get("oldest/1") == f"{cut} 4".encode() and store.get("oldest/2") == f"{cut} 3".encode()
-    actor.Actor.refresh_budget(actors[1])
-    assert actors[1].st.others_oldest == 3 and not start(1)  # (3 - 4 + 1 + 1) * 8 = 8 = outstanding
-    actors[1].st.others_oldest = None
-    assert actor.admit(cfg, actors[1].st)  # what its own oldest alone would allow
-    # the verifier drops group 20 (zero advantage): its 4 samples come back
-    elastic.drop(store, 2, cut, 20, 4)
-    books.publish(4, {1, 2})
-    actor.Actor.refresh_budget(actors[1])
-    assert actors[1].st.returned == 4
-    # incarnation 2 lost: the books publish without it; every sample it started and that was not trained
-    # comes back, its dropped ones counted once: 16 may start at version 4
-    books.publish(4, {1})
-    actors[1].st.others = []
-    actor.Actor.refresh_budget(actors[1])
-    assert actors[1].st.returned == 8 and all(start(1) for _ in range(4)) and not start(1)
-
-
 # --- `python actor.py` as a process ---------------------------------------------------------------------
 
 def test_peer_timeout_names_trainer(tmp_path):
     port = free_port()
-    p = subprocess.run([sys.executable, str(REPO / "actor.py"), f"sync.port={port}", "run.peer_timeout_s=2",
-                        f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=120,
+    p = subprocess.run([sys.executable, str(REPO / "actor.py"), f"sync.port={port}", "run.peer_timeout_s=6",
+                        "run.hang_timeout_s=5", "run.restart_s=0.5", f"run.dir={tmp_path}"],
+                       capture_output=True, text=True, timeout=120,
                        env=role_env())
     assert p.returncode != 0
     assert f"127.0.0.1:{port}" in p.stderr, p.stderr[-2000:]
 
 
 @contextlib.contextmanager
-def actor_process(env, tmp_path, first_group, *overrides):
-    """`python actor.py` (max_lag=0, batches of 8 = 2 groups of 4) against this test's store, group ids from
-    `first_group` on, and a PULL socket -> (fake trainer, pull, proc); once the actor has registered, the
-    fake trainer forms a group with it. Its output goes to tmp_path/actor.log. Still running on the way out (a
-    failed test): killed with its process group."""
+def actor_process(env, tmp_path, *overrides):
+    """`python actor.py` (max_lag=0, batches of 8 = 2 groups of 4) against a run's owner process of its
+    own (a fresh ledger: group ids from 0) and a PULL socket -> (fake trainer, pull, proc); once the actor
+    has said hello, the fake trainer forms a roster with it. Its output goes to tmp_path/actor.log. Still
+    running on the way out (a failed test): killed with its process group."""
     import zmq
-    store = ws.create_store("127.0.0.1", 0, True, 60)
-    fake = FakeTrainer(store)
+    settings = ["trainer.batch_size=8", "actor.group_size=4", "actor.max_lag=0", "actor.max_tokens=16",
+                "sync.verify_every=0", *overrides]  # (the fake trainer sets no probe)
+    owner = Owner(tmp_path, *settings)
+    fake = FakeTrainer(owner)
     rollouts = free_port()
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(common.zmq_addr("127.0.0.1", rollouts))
     with open(tmp_path / "actor.log", "w") as log_file:
-        proc = subprocess.Popen([sys.executable, str(REPO / "actor.py"), f"model.path={env['model_dir']}",
-                                 f"run.dir={tmp_path}", f"sync.port={store.port}", f"ports.rollouts={rollouts}",
-                                 "actor.kv_cache_gb=0.25", "actor.cpu_cores=1", "trainer.batch_size=8",
-                                 "actor.group_size=4", "actor.max_lag=0", "actor.max_tokens=16",
-                                 "sync.verify_every=0", *overrides],  # the fake trainer sets no probe
+        proc = subprocess.Popen([sys.executable, str(REPO / "actor.py"), *owner.overrides,
+                                 f"model.path={env['model_dir']}", f"ports.rollouts={rollouts}",
+                                 "actor.kv_cache_gb=0.25", "actor.cpu_cores=1"],
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=role_env())
         try:
-            deadline = time.time() + 180  # its engines start, then it registers
-            while not int(store.add("actor/incarnations", 0)) and time.time() < deadline:
+            deadline = time.time() + 180  # its engines start, then it says hello
+            while not fake.incarnations() and time.time() < deadline:
                 time.sleep(0.1)
-            fake.regroup({1: 1}, per=common.load_config(list(overrides)).actor.engines, floor=first_group)
+            fake.roster({1: 1}, per=common.load_config(list(overrides)).actor.engines)
             yield fake, pull, proc
         finally:  # still running: a failed test. The whole group: vLLM's engine cores outlive a killed actor.py
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             pull.close()
+            owner.close()
 
 
 def test_actor_process_end_to_end(env, tmp_path):
@@ -1124,12 +1040,12 @@ def test_actor_process_end_to_end(env, tmp_path):
     process left."""
     import psutil
     evals = []
-    with actor_process(env, tmp_path, 100, "actor.eval_every=1", "data.test_size=20", "run.log_every=0.5") as (
+    with actor_process(env, tmp_path, "actor.eval_every=1", "data.test_size=20", "run.log_every=0.5") as (
             fake, pull, proc):
         def pull_training(n):  # evaluation rollouts (eval: true) come on the same socket, for the verifier
             out = []
             while len(out) < n:
-                h, a = _pull(pull, 1, timeout_s=120, store=fake.store)[0]
+                h, a = _pull(pull, 1, timeout_s=120, fake=fake)[0]
                 (evals if h["eval"] else out).append((h, a))
             return out
 
@@ -1138,7 +1054,7 @@ def test_actor_process_end_to_end(env, tmp_path):
         fake.send(env["sd"], 1)
         later = pull_training(8)
         while len(evals) < 20:  # the evaluation at version 0 finishes whatever the version is now
-            h, a = _pull(pull, 1, timeout_s=120, store=fake.store)[0]
+            h, a = _pull(pull, 1, timeout_s=120, fake=fake)[0]
             assert h["eval"]
             evals.append((h, a))
         time.sleep(1.0)  # a metrics line
@@ -1154,10 +1070,11 @@ def test_actor_process_end_to_end(env, tmp_path):
     assert proc.returncode == 0, out[-3000:]
     time.sleep(1.0)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], out[-3000:]
-    assert sorted({h["group_id"] for h, _ in first}) == [100, 101]  # ids from the run's counter
-    assert sorted({h["group_id"] for h, _ in later}) == [102, 103]
+    assert sorted({h["group_id"] for h, _ in first}) == [0, 1]  # ids from the ledger, in order
+    assert sorted({h["group_id"] for h, _ in later}) == [2, 3]
     assert all((a["versions"] == 0).all() for _, a in first) and all((a["versions"] == 1).all() for _, a in later)
-    assert all(h["inc"] == 1 and h["cut"] == 1 and h["group_size"] == 4 for h, _ in first + later)
+    assert all(h["epoch"] == fake.epoch and h["group_size"] == 4 for h, _ in first + later)
+    assert sorted({h["ticket"] for h, _ in first + later}) == [1, 2, 3, 4]  # the ledger's tickets
     v0 = [(h, a) for h, a in evals if h["group_id"] == 0]  # the pass that started at version 0
     assert sorted(h["sample_idx"] for h, _ in v0) == list(range(20)) and {h["group_size"] for h, _ in v0} == {20}
     assert all(len(a["completion_ids"]) > 0 and (a["versions"] >= 0).all() for _, a in v0)
@@ -1173,11 +1090,11 @@ def test_two_engines_in_one_actor_process(env, tmp_path):
     once (a GPU node's 4 engines each capture CUDA graphs for minutes): both have started before either
     is up (started one after the other, engine 0 was up before engine 1 started)."""
     import psutil
-    with actor_process(env, tmp_path, 0, "actor.engines=2", "actor.eval_every=0") as (fake, pull, proc):
+    with actor_process(env, tmp_path, "actor.engines=2", "actor.eval_every=0") as (fake, pull, proc):
         batches = []
         for version in range(3):
             fake.send(env["sd"], version)
-            batches.append(_pull(pull, 8, timeout_s=120, store=fake.store))  # max_lag=0: one batch per version
+            batches.append(_pull(pull, 8, timeout_s=120, fake=fake))  # max_lag=0: one batch per version
         cores = [c for c in psutil.Process(proc.pid).children(recursive=True) if "EngineCore" in " ".join(c.cmdline())]
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -1256,13 +1173,13 @@ def test_an_update_is_logged_with_its_timings(env, monkeypatch):
             lines.append(dict(metrics))
         original(role, metrics, step)
     monkeypatch.setattr(common, "log", log)
-    cfg = make_cfg(env["tmp"], env["model_dir"], env["store"].port, free_port(), "actor.max_lag=1",
+    cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_lag=1",
                    "actor.max_tokens=16", "actor.max_inflight=16", "sync.verify_every=1",
                    "run.log_every=0.001")
 
     def trainer_fn(pull, st):
         for step in range(4):
-            _STORE[0].set(f"probe/{env['trainer'].version + 1}", probe)
+            env["trainer"].store.set(f"probe/{env['trainer'].version + 1}", probe)
             env["trainer"].send(env["sd"])
             if step < 3:
                 _pull(pull, 8)

@@ -31,8 +31,9 @@ def short_config(model_dir, run_dir, **extra):
     kv = {"model.path": model_dir, "run.dir": run_dir, "trainer.max_steps": 4, "trainer.batch_size": 16,
           "actor.group_size": GROUP_SIZE, "actor.max_tokens": 24, "actor.max_lag": MAX_LAG, "actor.max_inflight": 32,
           "actor.eval_every": 2, "data.test_size": 16, "trainer.checkpoint_every": 2,
-          "run.peer_timeout_s": 120, "sync.port": sync_port, "ports.rollouts": free_port(),
-          "ports.samples": free_port(), "run.log_every": 0.5}
+          "run.peer_timeout_s": 120, "run.restart_s": 60, "sync.port": sync_port,
+          "ports.rollouts": free_port(), "ports.samples": free_port(), "ports.ledger": free_port(),
+          "run.log_every": 0.5}
     kv.update(extra)
     return [f"{k}={v}" for k, v in kv.items()]
 
@@ -215,7 +216,7 @@ def test_a_long_command_line_with_its_run_dir_is_not_refused(tmp_path):
 
 def ports(run_dir):
     return [f"run.dir={run_dir}", f"sync.port={free_port()}", f"ports.rollouts={free_port()}",
-            f"ports.samples={free_port()}"]
+            f"ports.samples={free_port()}", f"ports.ledger={free_port()}"]
 
 
 def test_bad_override_prints_the_config_error_alone(tmp_path):
@@ -279,7 +280,7 @@ def test_gpu_recipe_runs_on_cpu_with_what_run_sh_installs(tmp_path):
     run_dir = tmp_path / "run"
     cpu_scale = ["actor.engines=1", "trainer.nproc=1", "model.dtype=float32",
                  "trainer.batch_size=16", "actor.max_inflight=32", "actor.max_tokens=24", "trainer.max_steps=3",
-                 "verifier.workers=1", "run.peer_timeout_s=120"]
+                 "verifier.workers=1", "run.peer_timeout_s=120", "run.restart_s=60"]
     rc, out = finish(start(["configs/qwen2.5-1.5b-gsm8k.yaml", f"model.path={model}", f"data.train_path={data}",
                             f"data.test_path={data}", *cpu_scale, *ports(run_dir)]))
     assert rc == 0, out[-6000:]

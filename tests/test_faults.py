@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 import common  # noqa: E402
 import elastic  # noqa: E402
 import trainer  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import budget_of, free_port  # noqa: E402
 
 B, GS, LAG = 8, 2, 1  # 4 groups a step
 
@@ -48,7 +48,8 @@ def started(tmp_path, **over):
     """A ledger with one verifier, one trainer (epoch 1 from step 0) and actors 1, 2."""
     ledger = elastic.Ledger(config(tmp_path, **over))
     ask(ledger, "verifier_hello")
-    ask(ledger, "trainer_hello", epoch=0, step=0, done_below=0, done_above=[])
+    ask(ledger, "trainer_hello", epoch=0, step=0, done_below=0, done_above=[],
+        budget=budget_of(ledger.cfg))
     for _ in range(2):
         ask(ledger, "actor_hello", pid=1, host="h")
     return ledger
@@ -170,7 +171,8 @@ def test_a_trainer_restart_gives_back_everything_open_and_grants_the_undone_ids_
     ask(ledger, "forward", verifier=1, forward=[k for k, _ in granted[:4]], drop=[])
     ask(ledger, "report", epoch=1, version=1, trained=[k for k, _ in granted[:4]], lost=[])
     # the checkpoint was at step 0: ids 0..3 trained since are not done; 4, 5 were in flight
-    reply = ask(ledger, "trainer_hello", epoch=1, step=0, done_below=0, done_above=[])
+    reply = ask(ledger, "trainer_hello", epoch=1, step=0, done_below=0, done_above=[],
+                budget=budget_of(ledger.cfg))
     assert reply["epoch"] == 2 and not ledger.open
     assert tickets(ledger, 1, version=1, want=1, epoch=1) == []  # weights of epoch 1: none
     assert [g for _, g in tickets(ledger, 1, version=0, want=8, epoch=2)] == list(range(6)) + [6, 7]
@@ -185,7 +187,8 @@ def test_a_resumed_ledger_numbers_on_and_grants_the_checkpoints_gaps(tmp_path):
     ledger.journal.close()
     resumed = elastic.Ledger(config(tmp_path))  # a new process on the same run directory
     ask(resumed, "verifier_hello")
-    reply = ask(resumed, "trainer_hello", epoch=1, step=4, done_below=2, done_above=[3, 5])
+    reply = ask(resumed, "trainer_hello", epoch=1, step=4, done_below=2, done_above=[3, 5],
+                budget=budget_of(resumed.cfg))
     assert reply["epoch"] == 2
     assert ask(resumed, "actor_hello", pid=1, host="h")["inc"] == 3
     granted = tickets(resumed, 3, version=4, want=3, epoch=2)

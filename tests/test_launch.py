@@ -130,7 +130,7 @@ def test_shell_hands_every_role_its_resolved_gpus(tmp_path):
     r = subprocess.run([sys.executable, "scripts/launch.py", "shell", out, run, "actor.engines=2",
                         "actor.tp=2"], cwd=REPO, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and not r.stdout, r.stderr
-    assert shell_values(out.read_text()) == ["4,5,6,7", "", "actor", "actor.gpus=4,5,6,7"]
+    assert shell_values(out.read_text()) == ["4,5,6,7", "", "watch actor", "actor.gpus=4,5,6,7"]
     env["CUDA_VISIBLE_DEVICES"] = "0"
     out.unlink()
     r = subprocess.run([sys.executable, "scripts/launch.py", "shell", out, run], cwd=REPO,
