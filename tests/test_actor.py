@@ -928,6 +928,9 @@ def test_weight_server_newest_only_bit_identical(env):
             ledger.request("tickets", inc=inc, epoch=-1, version=-1, want=0, pushed=[], drop=[])
             time.sleep(0.2)
     threading.Thread(target=speak, daemon=True).start()
+    deadline = time.time() + 30  # an earlier test's actor counted lost (silent 2 s): this one alone
+    while env["trainer"].incarnations() != {inc} and time.time() < deadline:
+        time.sleep(0.1)
     first = int(store.add("announced", 0))  # the server's first roster comes right after this
     server = ws.WeightServer(cfg, v0, torch.device("cpu"), epoch=env["trainer"].epoch,
                              ledger=lambda: elastic.Client(cfg, ws.create_store("127.0.0.1", store.port, False, 60)))
@@ -963,7 +966,8 @@ def test_weight_server_newest_only_bit_identical(env):
                 g = int(value.split()[1])
                 info = json.loads(store.get(f"roster/{g}"))
                 if str(inc) in info["members"]:
-                    await actor.join_roster(cfg, [env["engine"]], g, info["members"][str(inc)], 2)
+                    world = 1 + len(info["members"])
+                    await actor.join_roster(cfg, [env["engine"]], g, info["members"][str(inc)], world)
                 continue
             if value == "end":
                 return got
