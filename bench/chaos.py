@@ -1,9 +1,10 @@
-"""Fault soak: SIGKILL roles of a running run at steps drawn by a seed, measure how long training
-stops after each death, and check the run's invariants at the end (scripts/check_run.py).
+"""Fault soak: SIGKILL roles of a running run, or SIGSTOP them (a hang: --hang), at steps drawn by a
+seed, measure how long training stops after each fault, and check the run's invariants at the end
+(scripts/check_run.py).
 
-    .venv/bin/python bench/chaos.py --kills 20 --seed 0 [--actors 2] [--nproc 2] [--workers 4]
-        [--max-lag 4] [--steps-per-kill 45] [--kinds actor,verifier,...] [--out DIR] [--model DIR]
-        [section.key=value ...]
+    .venv/bin/python bench/chaos.py --kills 20 --seed 0 [--hang] [--actors 2] [--nproc 2]
+        [--workers 4] [--max-lag 4] [--steps-per-kill 45] [--kinds actor,verifier,...] [--out DIR]
+        [--model DIR] [section.key=value ...]
 
 The run: `bash run.sh` nodes on loopback. With --actors 1, one node runs every role; with more,
 node 0 runs the store, the verifier and the trainer (trainer.nproc=--nproc ranks) and nodes
@@ -12,22 +13,26 @@ node 0 runs the store, the verifier and the trainer (trainer.nproc=--nproc ranks
   verifier    the verifier
   trainer     one trainer rank (drawn among trainer.nproc; torchrun restarts them together)
   two         two at once: an actor and the verifier, or an actor and the trainer
-  regroup     an actor, then (with two or more actors) another while the weight group re-forms
+  regroup     an actor, then (with two or more actors) another while the weight roster re-forms
   checkpoint  the trainer, right after it wrote a checkpoint
-then the next kill comes a drawn 5-15 steps after training moved again, once every actor is back in
-the weight group (so that an actor's death has a survivor). The run is long enough for
-every kill (trainer.max_steps) and ends by itself.
+and with --hang, drawn with them, the hangs (SIGSTOP: nothing dies; the fault layer must find the
+hang, kill the process and start it again):
+  engine_stop   an actor's vLLM engine core (its actor sees no decode step: run.hang_timeout_s)
+  actor_stop    an actor's own process (the ledger hears nothing: run.heartbeat_timeout_s; its
+                node's watchdog kills it: run.hang_timeout_s)
+  verifier_stop the verifier (node 0's watchdog: run.hang_timeout_s)
+  trainer_stop  one trainer rank (its node's watchdog: run.hang_timeout_s; torchrun stops the rest)
+then the next fault comes a drawn 5-15 steps after training moved again, once every actor is back in
+the weight roster (so that an actor's fault has a survivor). The run is long enough for every fault
+(trainer.max_steps) and ends by itself.
 
 Reported (one line per kill, then a summary; JSON in OUT/chaos.json, the steps over time with the
 kills in OUT/chaos.png): the stall after each death,
 the longest gap between two trainer steps from the kill until training has made 5 steps again,
-against the bound stated for what died:
-  an actor with another one alive   run.heartbeat_timeout_s + 30 s (its loss noticed, a regroup)
-  the only actor                    180 s (a new engine starts: ~20 s alone, more on busy cores)
-  the verifier                      90 s (a new process, then a cut)
-  the trainer                       150 s (torchrun's ranks start again, load the checkpoint)
-and kills survived, the invariants' verdict, roles that run.sh restarted without being killed,
-samples given back (the actors' `returned`) and discarded (the trainer's).
+against the bound stated for the fault (`bound_for`: from the run's settings, the time to find it,
+plus the time to start the role again; a hang's is run.hang_timeout_s more than its death's), and
+faults survived, the invariants' verdict, roles that run.sh restarted without a fault of theirs,
+groups given back (the ledger's journal) and samples discarded (the trainer's).
 """
 import argparse
 import contextlib
@@ -50,6 +55,8 @@ from scripts.rundir import read_jsonl  # noqa: E402
 
 KINDS = ["actor", "verifier", "trainer", "two", "regroup", "checkpoint"]
 WEIGHTS = [4, 2, 2, 1, 1, 1]
+HANGS = ["engine_stop", "actor_stop", "verifier_stop", "trainer_stop"]
+HANG_WEIGHTS = [3, 2, 2, 2]
 
 
 def free_port() -> int:
@@ -60,12 +67,12 @@ def free_port() -> int:
 
 
 def plan(kills: int, seed: int, actors: int, kinds=KINDS) -> list:
-    """[(kind, gap in steps)] drawn by the seed, among `kinds`."""
+    """[(kind, gap in steps)] drawn by the seed, among `kinds` (kills, and hangs with --hang)."""
     rng = random.Random(seed)
     out = []
-    weights = [w for k, w in zip(KINDS, WEIGHTS) if k in kinds]
+    pairs = [(k, w) for k, w in zip(KINDS + HANGS, WEIGHTS + HANG_WEIGHTS) if k in kinds]
     for _ in range(kills):
-        kind = rng.choices([k for k in KINDS if k in kinds], weights)[0]
+        kind = rng.choices([k for k, _ in pairs], [w for _, w in pairs])[0]
         if kind == "regroup" and actors < 2:
             kind = "actor"
         out.append((kind, rng.randint(5, 15)))
@@ -87,10 +94,10 @@ def role_processes(role: str) -> list:
 KILLED_GROUPS = set()  # process groups of the killed roles (run.sh starts each role in its own)
 
 
-def kill(role: str, rng, not_node: str = None) -> str:
-    """SIGKILL one process of `role` drawn by rng (an actor: not on node `not_node`) -> what was
-    killed."""
-    procs = sorted(role_processes(role), key=lambda p: p.pid)
+def kill(role: str, rng, not_node: str = None, stop: bool = False) -> str:
+    """SIGKILL (SIGSTOP with `stop`: a hang) one process of `role` drawn by rng (an actor: not on node
+    `not_node`; "engine": an actor's vLLM engine core) -> what was killed."""
+    procs = sorted(role_processes("actor" if role == "engine" else role), key=lambda p: p.pid)
     if not_node is not None:
         procs = [p for p in procs if p.environ().get("NODE_RANK") != not_node]
     if not procs:
@@ -98,13 +105,15 @@ def kill(role: str, rng, not_node: str = None) -> str:
     p = rng.choice(procs)
     try:
         rank = p.environ().get("RANK", "") if role == "trainer" else ""
-        node = p.environ().get("NODE_RANK", "") if role == "actor" else ""
+        node = p.environ().get("NODE_RANK", "") if role in ("actor", "engine") else ""
         KILLED_GROUPS.add(os.getpgid(p.pid))
-        p.kill()
-    except (psutil.NoSuchProcess, ProcessLookupError):
-        return f"{role}: gone before the kill"
+        if role == "engine":
+            p = next(c for c in p.children(recursive=True) if "EngineCore" in " ".join(c.cmdline()))
+        p.suspend() if stop else p.kill()
+    except (psutil.NoSuchProcess, ProcessLookupError, StopIteration):
+        return f"{role}: gone before the {'stop' if stop else 'kill'}"
     where = f" rank {rank}" if rank else f" node {node}" if node else ""
-    return f"{role}{where} (pid {p.pid})"
+    return f"{role}{where} (pid {p.pid}){' stopped' if stop else ''}"
 
 
 def left_behind() -> list:
@@ -121,14 +130,14 @@ def left_behind() -> list:
 
 
 def members(store) -> int:
-    """Actor incarnations in the newest weight group (the store gone, the run over: a large number)."""
+    """Actor incarnations in the newest weight roster (the store gone, the run over: a large number)."""
     try:
-        g = int(store.add("group/count", 0))
+        g = int(store.add("roster/count", 0))
     except RuntimeError:  # DistNetworkError
         return 10**9
-    if not g or not store.check([f"group/{g}"]):
+    if not g or not store.check([f"roster/{g}"]):
         return 0
-    return len(json.loads(store.get(f"group/{g}"))["members"])
+    return len(json.loads(store.get(f"roster/{g}"))["members"])
 
 
 def steps_times(run_dir: Path) -> list:
@@ -167,7 +176,7 @@ def plot(run_dir: Path, report: list, path: Path):
     t0 = steps[0][0]
     fig, ax = plt.subplots(figsize=(10, 4))
     ax.plot([t - t0 for t, _ in steps], [s for _, s in steps], ".", ms=2, color="k")
-    colors = dict(zip(KINDS, ["C0", "C1", "C2", "C3", "C4", "C5"]))
+    colors = dict(zip(KINDS + HANGS, [f"C{k}" for k in range(10)]))
     for row in report:
         ax.axvline(row["t"] - t0, color=colors[row["kind"]], lw=1, alpha=0.7)
     for kind, color in colors.items():
@@ -179,16 +188,26 @@ def plot(run_dir: Path, report: list, path: Path):
     fig.savefig(path, dpi=120)
 
 
-def bound_for(kind: str, actors: int, heartbeat_s: float) -> tuple:
-    """(seconds, what) training may stand still after this kill."""
+def bound_for(kind: str, actors: int, heartbeat_s: float, hang_s: float) -> tuple:
+    """(seconds, what) training may stand still after this fault: the time to find it, and to start
+    the role again (an engine's start, a checkpoint's load) where nothing else can go on meanwhile."""
     if kind in ("trainer", "checkpoint", "two"):
         return 150.0, "trainer: restart + checkpoint load"
+    if kind == "trainer_stop":
+        return hang_s + 150.0, "trainer rank stopped: run.hang_timeout_s + restart + checkpoint load"
     if kind == "regroup":
         return 180.0, "both actors: an engine's start"
     if kind == "verifier":
-        return 90.0, "verifier: restart + cut"
-    if actors >= 2 and kind == "actor":
-        return heartbeat_s + 30.0, "actor with a survivor: heartbeat timeout + regroup"
+        return 90.0, "verifier: restart"
+    if kind == "verifier_stop":
+        return hang_s + 90.0, "verifier stopped: run.hang_timeout_s + restart"
+    if actors >= 2 and kind in ("actor", "actor_stop"):
+        return heartbeat_s + 30.0, "actor with a survivor: run.heartbeat_timeout_s + a new roster"
+    if actors >= 2 and kind == "engine_stop":
+        return hang_s + heartbeat_s + 30.0, ("engine stopped, a survivor: run.hang_timeout_s + "
+                                             "run.heartbeat_timeout_s + a new roster")
+    if kind in ("engine_stop", "actor_stop"):
+        return hang_s + 180.0, "the only actor stopped: run.hang_timeout_s + an engine's start"
     return 180.0, "no actor left: an engine's start"
 
 
@@ -203,7 +222,10 @@ def main(argv=None):
     ap.add_argument("--steps-per-kill", type=int, default=45,
                     help="trainer.max_steps = 40 + this * kills: the steps run while a killed "
                          "actor's engine starts again count too (one took 119 s here, ~600 steps)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="what may be killed, comma-separated")
+    ap.add_argument("--kinds", default=None, help="what may be killed or stopped, comma-separated "
+                    "(default: the kills, and with --hang the hangs too)")
+    ap.add_argument("--hang", action="store_true", help="hangs (SIGSTOP) too, drawn with the kills")
+    ap.add_argument("--hang-timeout", type=float, default=15.0, help="run.hang_timeout_s of the run")
     ap.add_argument("--model", default=str(REPO / "assets" / "tiny-model"))
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
@@ -211,16 +233,18 @@ def main(argv=None):
     out = Path(a.out or REPO / "runs" / "chaos" / f"k{a.kills}-s{a.seed}-lag{a.max_lag}-{int(time.time())}")
     run_dir = out / "run"
     out.mkdir(parents=True, exist_ok=True)
-    kills = plan(a.kills, a.seed, a.actors, a.kinds.split(","))
-    heartbeat_s = 3.0
+    kinds = a.kinds.split(",") if a.kinds else KINDS + (HANGS if a.hang else [])
+    kills = plan(a.kills, a.seed, a.actors, kinds)
+    heartbeat_s, hang_s = 3.0, a.hang_timeout
     cfg = {"model.path": a.model, "run.dir": run_dir,
            "trainer.max_steps": 40 + a.steps_per_kill * a.kills,
            "trainer.batch_size": 32, "actor.group_size": 4, "actor.max_tokens": 24,
            "actor.max_lag": a.max_lag, "actor.max_inflight": 32, "actor.eval_every": 0,
            "trainer.checkpoint_every": 10, "trainer.nproc": a.nproc, "verifier.workers": a.workers,
            "run.max_restarts": a.kills + 1, "run.heartbeat_timeout_s": heartbeat_s,
-           "run.peer_timeout_s": 300, "run.log_every": 0.5, "sync.port": free_port(),
-           "ports.rollouts": free_port(), "ports.samples": free_port(),
+           "run.hang_timeout_s": hang_s, "run.peer_timeout_s": 300, "run.log_every": 0.5,
+           "sync.port": free_port(), "ports.rollouts": free_port(), "ports.samples": free_port(),
+           "ports.ledger": free_port(),
            "trainer.cpu_cores": "1", "verifier.cpu_cores": "1", "actor.cpu_cores": "0"}
     args = [f"{k}={v}" for k, v in cfg.items()] + a.overrides
     nnodes = 1 if a.actors == 1 else 1 + a.actors
@@ -261,7 +285,9 @@ def main(argv=None):
             if near_end(i):  # the waits above may have taken the rest of the run
                 break
             t_kill = time.time()
-            if kind in ("actor", "verifier", "trainer", "checkpoint"):
+            if kind in HANGS:  # the role's process (engine: the actor's engine core) stopped
+                what = [kill(kind.removesuffix("_stop"), rng, stop=True)]
+            elif kind in ("actor", "verifier", "trainer", "checkpoint"):
                 what = [kill("trainer" if kind == "checkpoint" else kind, rng)]
             elif kind == "two":
                 what = [kill("actor", rng), kill(rng.choice(["verifier", "trainer"]), rng)]
@@ -272,7 +298,7 @@ def main(argv=None):
                 what.append(kill("actor", rng, not_node=first))
             moved = wait_steps_after(run_dir, t_kill, 5, 900, nodes)
             stall = stall_after(run_dir, t_kill)
-            bound, because = bound_for(kind, a.actors, heartbeat_s)
+            bound, because = bound_for(kind, a.actors, heartbeat_s, hang_s)
             row = {"kill": i + 1, "kind": kind, "killed": what, "t": t_kill, "stall_s": round(stall, 1),
                    "bound_s": bound, "bound": because, "moved_again": moved}
             report.append(row)
@@ -295,9 +321,10 @@ def main(argv=None):
     left = left_behind()
     text = "".join(p.read_text() for p in logs)
     restarts = {role: text.count(f"role '{role}' exited") for role in ("actor", "verifier", "trainer")}
-    killed = {role: sum(w.startswith(role) for row in report for w in row["killed"])
+    # a stopped engine core's actor exits and is started again: the actor's restart
+    killed = {role: sum(w.startswith(role) or (role == "actor" and w.startswith("engine"))
+                        for row in report for w in row["killed"])
               for role in ("actor", "verifier", "trainer")}
-    actor = read_jsonl(run_dir / "metrics_actor.jsonl")
     trainer = read_jsonl(run_dir / "metrics_trainer.jsonl")
     summary = {
         "command": " ".join(sys.argv), "kills_planned": len(kills), "kills_done": len(report),
@@ -311,7 +338,8 @@ def main(argv=None):
         "restarted_not_killed": {r: restarts[r] - killed[r] for r in restarts
                                  if restarts[r] > killed[r]},
         "left_behind": left,
-        "returned_samples_max": max((r.get("actor/returned", 0) for r in actor), default=0),
+        "given_back_groups": sum(len(e["tickets"]) for e in read_jsonl(run_dir / "ledger.jsonl")
+                                 if e.get("event") == "given_back"),
         "discarded_samples": max((r.get("trainer/discarded", 0) for r in trainer), default=0),
         "kills": report}
     (out / "chaos.json").write_text(json.dumps(summary, indent=1))
