@@ -165,13 +165,13 @@ def start_at_once(cfg, proc_index: int, devices: list) -> list:
 
 async def init_sync(cfg, engines, proc_index: int = 0, store=None):
     """Once the engines are up: each worker ready for weight updates (WeightUpdateExtension), its
-    decode steps stamped on the engine's clock (weights_sync.DecodeClock: the actor's hang check);
+    decode steps stamped on the engine's clock (common.DecodeClock: the actor's hang check);
     its timeline is events_engine<proc>-<engine>.jsonl. With the run's `store`: ends if it goes
     away."""
     sync = cfg.sync
     ready = asyncio.gather(*(engine.collective_rpc("init_weights_sync", timeout=sync.timeout_s,
         args=(sync.host, sync.port, sync.timeout_s, f"engine{proc_index}-{e}", str(cfg.run_dir),
-              cfg.run.trace, ws.clock_path(e))) for e, engine in enumerate(engines)))
+              cfg.run.trace, common.clock_path(e))) for e, engine in enumerate(engines)))
     await (elastic.unless_store_lost(store, ready) if store is not None else ready)
 
 async def join_roster(cfg, engines, g: int, first_rank: int, world_size: int):
@@ -404,7 +404,7 @@ class Actor:
         self.reports = {"pushed": [], "drop": []}
         self.progress = elastic.Progress(cfg, f"actor process {proc_index} (pid {os.getpid()})")
         # each engine's decode-step clock, requests in flight, and since when it has any
-        self.clocks = [ws.DecodeClock(ws.clock_path(e)) for e in range(len(engines))]
+        self.clocks = [common.DecodeClock(common.clock_path(e)) for e in range(len(engines))]
         self.busy, self.busy_since = [0] * len(engines), [time.time()] * len(engines)
         self.params = sampling_params(cfg, cfg.actor.temperature, cfg.actor.top_p)
         self.wake = asyncio.Event()
@@ -846,7 +846,7 @@ async def amain(cfg, store) -> int:
         engines.clear()
         for e in range(cfg.actor.engines):
             with contextlib.suppress(OSError):
-                os.unlink(ws.clock_path(e))
+                os.unlink(common.clock_path(e))
 
 def main(argv=None):
     import torch

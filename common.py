@@ -9,15 +9,19 @@ record.
 - Metrics: `log` to stdout, <run.dir>/metrics_<role>.jsonl and, with run.wandb, W&B.
 """
 import atexit
+import collections
 import contextlib
 import dataclasses
 import gc
 import itertools
 import json
 import math
+import mmap
 import os
+import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -506,3 +510,109 @@ class Events:
             f.write("".join(json.dumps(r) + "\n" for r in self.buf))
         self.buf = []
         self.written = time.time()
+
+# --- the engine's clocks: its decode steps timed (StepClock), the last one stamped (DecodeClock) ---
+
+class StepClock:
+    """When the engine's device computed decode steps, in seconds on one timeline. CPU: the host's
+    clock around each call. GPU: CUDA events recorded on the compute stream around each call, read
+    once the device has passed them: under vLLM's async scheduling a call returns once its work is
+    queued, so the host's clock would time the queueing, not the device's work, and the busy
+    fraction, the update stall and run.sh's `bottleneck:` advice would all be wrong there."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.wall0 = time.time()
+        # the timeline's zero: an event recorded now, or the host clock now
+        self.zero = self.mark()
+        # (start mark, end mark, sequences) of the calls not yet finished()
+        self.pending = collections.deque()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        return self.zero.elapsed_time(mark) / 1e3 if self.cuda else mark - self.zero
+
+    def now_s(self) -> float:
+        """Now on the timeline (GPU: once the device has done what is queued before now)."""
+        mark = self.mark()
+        if self.cuda:
+            mark.synchronize()
+        return self.seconds(mark)
+
+    def wall(self, seconds: float) -> float:
+        """A time on the timeline as time.time() (the events files' clock)."""
+        return self.wall0 + seconds
+
+    def add(self, start, end, sequences: int):
+        self.pending.append((start, end, sequences))
+
+    def finished(self) -> list:
+        """[(start s, end s, sequences)] of the calls the device has finished since the last call,
+        in order (one stream: in order and without overlap)."""
+        out = []
+        while self.pending and (not self.cuda or self.pending[0][1].query()):
+            start, end, sequences = self.pending.popleft()
+            out.append((self.seconds(start), self.seconds(end), sequences))
+        return out
+
+def clock_path(engine: int) -> str:
+    """Where engine `engine` of this actor process stamps its decode steps (DecodeClock)."""
+    return os.path.join(tempfile.gettempdir(), f"pipelinerl-{os.getpid()}-engine{engine}.clock")
+
+class DecodeClock:
+    """The wall time of an engine's last decode step, in 8 bytes of a file both processes map: its
+    workers stamp it after every step (a memory write, no system call), the actor reads it (its
+    hang check: vLLM's check_health sees a dead engine core, not a stopped one)."""
+
+    def __init__(self, path: str, create: bool = False):
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+        if create:
+            os.ftruncate(fd, 8)  # (never shorter: the workers of one engine share it)
+        self.map = mmap.mmap(fd, 8)
+        os.close(fd)
+
+    def stamp(self):
+        struct.pack_into("d", self.map, 0, time.time())
+
+    def last(self) -> float:
+        return struct.unpack_from("d", self.map)[0]
+
+class EngineTimeline:
+    """The timeline's engine counters: decode steps summed into windows of >= 0.25 s (a few records
+    a second whatever the step rate): busy fraction, occupancy h (sequences per step) and tokens/s
+    (a step makes one token per scheduled sequence, a partial prefill chunk aside). A window, on
+    the StepClock's seconds: its start, the end of its last step, busy seconds, steps that
+    scheduled a sequence, and the sequences they scheduled."""
+
+    def __init__(self, events: "Events", clock: StepClock):
+        self.events, self.clock, self.window = events, clock, None
+
+    def step(self, start: float, end: float, sequences: int):
+        w = self.window or dict(start=start, end=start, busy=0.0, steps=0, sequences=0)
+        # idle since the last step: its window ends there, then an empty one (zeros) until this step
+        if start - w["end"] > 0.25:
+            self.emit(w)
+            self.emit(dict(start=w["end"], end=start, busy=0.0, steps=0, sequences=0))
+            w = dict(start=start, end=start, busy=0.0, steps=0, sequences=0)
+        w["busy"] += end - start
+        w["end"] = end
+        w["steps"] += sequences > 0
+        w["sequences"] += sequences
+        if end - w["start"] >= 0.25:
+            self.emit(w)
+            w = dict(start=end, end=end, busy=0.0, steps=0, sequences=0)
+        self.window = w
+
+    def emit(self, w: dict):
+        """One window's counters, recorded at its start."""
+        seconds = max(w["end"] - w["start"], 1e-9)
+        self.events.counter("engine", self.clock.wall(w["start"]), busy=w["busy"] / seconds,
+                            inflight=w["sequences"] / max(w["steps"], 1),
+                            tokens_per_s=w["sequences"] / seconds)

@@ -27,13 +27,23 @@ first name is drawn, so that even the one-addition problems number 2,025 (the fi
 ~6% of them). A long problem is right only if every line is, and its total (up to 234) cannot be
 guessed: short problems are mostly right, long ones rarely. The grader is exact, as arithmetic's.
 """
+import contextlib
 import json
 import os
 import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
+from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parent
 
 ANSWER_MARK = "#"
 _ARITH_ANSWER = re.compile(r"#(\d+)\s*$")
@@ -187,6 +197,125 @@ def score(completion: str, answer: str, task: str):
     # parse falls back to the raw string when sympy cannot read it: only an exact string
     # match counts
     return (0.0, "wrong") if any(not isinstance(p, str) for p in parsed) else (0.0, "unparsable")
+
+# --- the scoring pool: grading in worker processes, each item under a time limit ------------------
+
+def _worker_loop():
+    """A ScorePool worker: JSON lines [completion, answer, task] on stdin -> [reward, status] on
+    stdout."""
+    # Ctrl-C hits the whole process group; the parent stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Linux: die with the parent even while stuck in sympy (PR_SET_PDEATHSIG = 1)
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # a library that prints must not corrupt the protocol: fd 1 now goes to stderr
+    import logging
+    # its "timeout is disabled" warnings: the timeouts are off on purpose
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    # pay the import before saying ready, so that the item limit times scoring only
+    import math_verify  # noqa: F401
+    out.write(b"ready\n")
+    for line in sys.stdin.buffer:
+        try:
+            reward, status = score(*json.loads(line))
+        except Exception as e:  # our bug or a bad gold: one answer must never stop the worker
+            print(f"[verifier] scoring error {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            reward, status = 0.0, "unparsable"
+        out.write(json.dumps([reward, status]).encode() + b"\n")
+
+class ScorePool:
+    """`workers` scoring processes (simplification 3); an item's `timeout_s` runs from when a worker
+    takes it. Completions are cut to their last `max_chars` characters (the answer is at the end):
+    submit, then collect. Workers die with the thread that started them (PR_SET_PDEATHSIG): use a
+    long-lived one."""
+
+    def __init__(self, workers: int, timeout_s: float, max_chars: int):
+        self.timeout_s, self.max_chars = timeout_s, max_chars
+        # backlog: (ticket, item) not yet taken; results: (ticket, reward, status, seconds)
+        self.backlog, self.results = deque(), []
+        self.next_ticket, self.restarts, self.failed_starts = 0, 0, 0
+        self.workers = [self._start() for _ in range(workers)]
+
+    @staticmethod
+    def _start():  # a fresh interpreter that imports this file only (simplification 3)
+        code = f"import sys; sys.path.insert(0, {str(REPO)!r}); import tasks; tasks._worker_loop()"
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        return {"proc": proc, "ready": False, "job": None, "t0": 0.0}
+
+    @staticmethod
+    def _stop(w):
+        w["proc"].kill()
+        w["proc"].wait()
+        for pipe in (w["proc"].stdin, w["proc"].stdout):
+            with contextlib.suppress(OSError):  # unflushed input to a dead worker
+                pipe.close()
+
+    def _replace(self, w):
+        self._stop(w)
+        self.failed_starts += not w["ready"]
+        if self.failed_starts > 3:
+            raise RuntimeError("scoring workers die while starting; run `python -c 'import "
+                               "tasks; tasks._worker_loop()'` to see why")
+        if w["job"] is not None:
+            self.results.append((w["job"], 0.0, "timeout", time.monotonic() - w["t0"]))
+        self.workers[self.workers.index(w)] = self._start()
+        self.restarts += 1
+
+    def _dispatch(self):
+        for w in list(self.workers):
+            if self.backlog and w["ready"] and w["job"] is None:
+                w["job"], item = self.backlog.popleft()
+                w["t0"] = time.monotonic()
+                try:
+                    w["proc"].stdin.write(json.dumps(item).encode() + b"\n")
+                    w["proc"].stdin.flush()
+                except OSError:  # BrokenPipe: it died while idle; the item scores timeout
+                    self._replace(w)
+
+    def submit(self, completion: str, answer: str, task: str) -> int:
+        """Queue one item; returns its ticket (collect reports it)."""
+        ticket = self.next_ticket
+        self.next_ticket += 1
+        self.backlog.append((ticket, [completion[-self.max_chars:], answer, task]))
+        self._dispatch()
+        return ticket
+
+    def busy(self) -> int:  # items submitted and not yet collected: queued + being scored
+        return len(self.backlog) + sum(w["job"] is not None for w in self.workers)
+
+    # the pipes that results arrive on (to wait on); they change when a worker is replaced
+    def fds(self) -> list:
+        return [w["proc"].stdout.fileno() for w in self.workers]
+
+    def collect(self, timeout: float = 0.0) -> list:
+        """-> [(ticket, reward, status, seconds)] finished since the last call; waits up to
+        `timeout` s."""
+        readable, _, _ = select.select(self.fds(), [], [], 0 if self.results else timeout)
+        for w in list(self.workers):
+            if w["proc"].stdout.fileno() in readable:
+                # cannot block: a worker writes one whole line, then waits
+                line = w["proc"].stdout.readline()
+                if not line:  # EOF: the worker died (killed, out of memory, a crash in C)
+                    self._replace(w)
+                elif not w["ready"]:
+                    w["ready"] = True
+                    self.failed_starts = 0
+                else:
+                    reward, status = json.loads(line)
+                    self.results.append((w["job"], float(reward), status, time.monotonic() - w["t0"]))
+                    w["job"] = None
+            elif w["job"] is not None and time.monotonic() - w["t0"] > self.timeout_s:
+                self._replace(w)
+        self._dispatch()
+        out, self.results = self.results, []
+        return out
+
+    def close(self):
+        for w in self.workers:
+            self._stop(w)
+        self.workers = []
 
 # --- the training stream and the test split -------------------------------------------------------
 

@@ -19,7 +19,7 @@ Deliberate simplifications:
     forwarded (generated anew); the groups still generating are kept.
  2. Advantage = r - group mean, no std division (the paper's code); rewards: the config's table
     plus DAPO's linear overlong penalty (the paper's "soft penalty near the max length").
- 3. Grading runs in `ScorePool` workers: subprocesses speaking JSON lines over pipes (a spawn pool
+ 3. Grading runs in `tasks.ScorePool` workers: subprocesses speaking JSON lines over pipes (a spawn pool
     re-imports the caller's __main__ in each), math_verify's own timeouts off (signal.alarm: main
     thread only); a worker that overruns the item limit (sympy on a hostile answer) or dies is
     replaced by a fresh interpreter; its item: `timeout`.
@@ -29,9 +29,7 @@ Deliberate simplifications:
 import contextlib
 import json
 import os
-import select
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -47,7 +45,7 @@ import tasks
 import weights_sync
 from loss import group_advantages
 
-# --- scoring --------------------------------------------------------------------------------------
+# --- scoring (in tasks.ScorePool's worker processes: tasks.score) ---------------------------------
 
 def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
     """Reward table minus DAPO's overlong penalty (0 at max_tokens - overlong_buffer, linear to
@@ -57,123 +55,6 @@ def reward_for(status: str, v, n_tokens: int, max_tokens: int) -> float:
     if v.overlong_buffer > 0 and n_tokens > start:
         reward -= v.overlong_penalty * (min(n_tokens, max_tokens) - start) / v.overlong_buffer
     return reward
-
-def _worker_loop():
-    """A ScorePool worker: JSON lines [completion, answer, task] on stdin -> [reward, status] on
-    stdout."""
-    # Ctrl-C hits the whole process group; the parent stops us
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Linux: die with the parent even while stuck in sympy (PR_SET_PDEATHSIG = 1)
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    out = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # a library that prints must not corrupt the protocol: fd 1 now goes to stderr
-    import logging
-    # its "timeout is disabled" warnings: the timeouts are off on purpose
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    # pay the import before saying ready, so that the item limit times scoring only
-    import math_verify  # noqa: F401
-    out.write(b"ready\n")
-    for line in sys.stdin.buffer:
-        try:
-            reward, status = tasks.score(*json.loads(line))
-        except Exception as e:  # our bug or a bad gold: one answer must never stop the worker
-            print(f"[verifier] scoring error {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            reward, status = 0.0, "unparsable"
-        out.write(json.dumps([reward, status]).encode() + b"\n")
-
-class ScorePool:
-    """`workers` scoring processes (simplification 3); an item's `timeout_s` runs from when a worker
-    takes it. Completions are cut to their last `max_chars` characters (the answer is at the end):
-    submit, then collect. Workers die with the thread that started them (PR_SET_PDEATHSIG): use a
-    long-lived one."""
-
-    def __init__(self, workers: int, timeout_s: float, max_chars: int):
-        self.timeout_s, self.max_chars = timeout_s, max_chars
-        # backlog: (ticket, item) not yet taken; results: (ticket, reward, status, seconds)
-        self.backlog, self.results = deque(), []
-        self.next_ticket, self.restarts, self.failed_starts = 0, 0, 0
-        self.workers = [self._start() for _ in range(workers)]
-
-    @staticmethod
-    def _start():  # a fresh interpreter that imports this file only (simplification 3)
-        code = f"import sys; sys.path.insert(0, {str(common.REPO)!r}); import verifier; verifier._worker_loop()"
-        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        return {"proc": proc, "ready": False, "job": None, "t0": 0.0}
-
-    @staticmethod
-    def _stop(w):
-        w["proc"].kill()
-        w["proc"].wait()
-        for pipe in (w["proc"].stdin, w["proc"].stdout):
-            with contextlib.suppress(OSError):  # unflushed input to a dead worker
-                pipe.close()
-
-    def _replace(self, w):
-        self._stop(w)
-        self.failed_starts += not w["ready"]
-        if self.failed_starts > 3:
-            raise RuntimeError("scoring workers die while starting; run `python -c 'import "
-                               "verifier; verifier._worker_loop()'` to see why")
-        if w["job"] is not None:
-            self.results.append((w["job"], 0.0, "timeout", time.monotonic() - w["t0"]))
-        self.workers[self.workers.index(w)] = self._start()
-        self.restarts += 1
-
-    def _dispatch(self):
-        for w in list(self.workers):
-            if self.backlog and w["ready"] and w["job"] is None:
-                w["job"], item = self.backlog.popleft()
-                w["t0"] = time.monotonic()
-                try:
-                    w["proc"].stdin.write(json.dumps(item).encode() + b"\n")
-                    w["proc"].stdin.flush()
-                except OSError:  # BrokenPipe: it died while idle; the item scores timeout
-                    self._replace(w)
-
-    def submit(self, completion: str, answer: str, task: str) -> int:
-        """Queue one item; returns its ticket (collect reports it)."""
-        ticket = self.next_ticket
-        self.next_ticket += 1
-        self.backlog.append((ticket, [completion[-self.max_chars:], answer, task]))
-        self._dispatch()
-        return ticket
-
-    def busy(self) -> int:  # items submitted and not yet collected: queued + being scored
-        return len(self.backlog) + sum(w["job"] is not None for w in self.workers)
-
-    # the pipes that results arrive on (to wait on); they change when a worker is replaced
-    def fds(self) -> list:
-        return [w["proc"].stdout.fileno() for w in self.workers]
-
-    def collect(self, timeout: float = 0.0) -> list:
-        """-> [(ticket, reward, status, seconds)] finished since the last call; waits up to
-        `timeout` s."""
-        readable, _, _ = select.select(self.fds(), [], [], 0 if self.results else timeout)
-        for w in list(self.workers):
-            if w["proc"].stdout.fileno() in readable:
-                # cannot block: a worker writes one whole line, then waits
-                line = w["proc"].stdout.readline()
-                if not line:  # EOF: the worker died (killed, out of memory, a crash in C)
-                    self._replace(w)
-                elif not w["ready"]:
-                    w["ready"] = True
-                    self.failed_starts = 0
-                else:
-                    reward, status = json.loads(line)
-                    self.results.append((w["job"], float(reward), status, time.monotonic() - w["t0"]))
-                    w["job"] = None
-            elif w["job"] is not None and time.monotonic() - w["t0"] > self.timeout_s:
-                self._replace(w)
-        self._dispatch()
-        out, self.results = self.results, []
-        return out
-
-    def close(self):
-        for w in self.workers:
-            self._stop(w)
-        self.workers = []
 
 # --- the service ----------------------------------------------------------------------------------
 
@@ -334,7 +215,7 @@ def main():
     store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
     ledger = elastic.Client(cfg, store)
     incarnation = ledger.request("verifier_hello")["verifier"]
-    pool, state = ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, incarnation)
+    pool, state = tasks.ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, incarnation)
     progress = elastic.Progress(cfg, f"verifier (pid {os.getpid()})")
     ranks, asked, sent = cfg.trainer.nproc * cfg.trainer.nnodes, 0.0, time.monotonic()
     stopping = threading.Event()  # set by SIGTERM / SIGINT: the loop ends after its current turn

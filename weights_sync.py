@@ -22,17 +22,13 @@ Simplifications:
 4. A roster is fixed at creation (gloo and NCCL groups are): a member lost, or a new one, forms a
    new roster, whose first broadcast is the newest weights.
 """
-import collections
 import contextlib
 import datetime
 import glob
 import itertools
 import json
-import mmap
 import os
 import socket
-import struct
-import tempfile
 import threading
 import time
 from unittest import mock
@@ -545,76 +541,6 @@ def unpack_cpu_weights(model, model_path: str):
     for path in checkpoint_files(model_path) if packed else []:
         model.load_weights(load_file(path).items())
 
-class StepClock:
-    """When the engine's device computed decode steps, in seconds on one timeline. CPU: the host's
-    clock around each call. GPU: CUDA events recorded on the compute stream around each call, read
-    once the device has passed them: under vLLM's async scheduling a call returns once its work is
-    queued, so the host's clock would time the queueing, not the device's work, and the busy
-    fraction, the update stall and run.sh's `bottleneck:` advice would all be wrong there."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.wall0 = time.time()
-        # the timeline's zero: an event recorded now, or the host clock now
-        self.zero = self.mark()
-        # (start mark, end mark, sequences) of the calls not yet finished()
-        self.pending = collections.deque()
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, mark) -> float:
-        return self.zero.elapsed_time(mark) / 1e3 if self.cuda else mark - self.zero
-
-    def now_s(self) -> float:
-        """Now on the timeline (GPU: once the device has done what is queued before now)."""
-        mark = self.mark()
-        if self.cuda:
-            mark.synchronize()
-        return self.seconds(mark)
-
-    def wall(self, seconds: float) -> float:
-        """A time on the timeline as time.time() (the events files' clock)."""
-        return self.wall0 + seconds
-
-    def add(self, start, end, sequences: int):
-        self.pending.append((start, end, sequences))
-
-    def finished(self) -> list:
-        """[(start s, end s, sequences)] of the calls the device has finished since the last call,
-        in order (one stream: in order and without overlap)."""
-        out = []
-        while self.pending and (not self.cuda or self.pending[0][1].query()):
-            start, end, sequences = self.pending.popleft()
-            out.append((self.seconds(start), self.seconds(end), sequences))
-        return out
-
-def clock_path(engine: int) -> str:
-    """Where engine `engine` of this actor process stamps its decode steps (DecodeClock)."""
-    return os.path.join(tempfile.gettempdir(), f"pipelinerl-{os.getpid()}-engine{engine}.clock")
-
-class DecodeClock:
-    """The wall time of an engine's last decode step, in 8 bytes of a file both processes map: its
-    workers stamp it after every step (a memory write, no system call), the actor reads it (its
-    hang check: vLLM's check_health sees a dead engine core, not a stopped one)."""
-
-    def __init__(self, path: str, create: bool = False):
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
-        if create:
-            os.ftruncate(fd, 8)  # (never shorter: the workers of one engine share it)
-        self.map = mmap.mmap(fd, 8)
-        os.close(fd)
-
-    def stamp(self):
-        struct.pack_into("d", self.map, 0, time.time())
-
-    def last(self) -> float:
-        return struct.unpack_from("d", self.map)[0]
-
 class WeightUpdateExtension:
     """Mixed into every vLLM worker (`worker_extension_cls="weights_sync.WeightUpdateExtension"`).
     Only small scalars go through collective_rpc (tensors as RPC arguments arrive as lists),
@@ -624,7 +550,7 @@ class WeightUpdateExtension:
                           clock=None):
         """Once, when the engine is up: the model made ready for updates in place, the checkpoint's
         manifest to check them against, the decode steps timed and, with `clock` (a path), each
-        stamped on the engine's DecodeClock."""
+        stamped on the engine's common.DecodeClock."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         if self.model_config.quantization:
             # an update copies the trainer's weights in place; a quantized layer would need them
@@ -647,8 +573,8 @@ class WeightUpdateExtension:
         self._ws_tp = get_tensor_model_parallel_rank()
         tp_track = f".{self._ws_tp}" if get_tensor_model_parallel_world_size() > 1 else ""
         self._ws_events = common.Events(run_dir, f"{track}{tp_track}", trace)
-        self._ws_clock = StepClock(torch.cuda.is_available())
-        self._ws_decode = DecodeClock(clock, create=True) if clock else None
+        self._ws_clock = common.StepClock(torch.cuda.is_available())
+        self._ws_decode = common.DecodeClock(clock, create=True) if clock else None
         # The update bookkeeping (_ws_tick, _ws_account): the last update's stats; the clock's time
         # of the last decode step's end, of the previous receive, and of the end of the step before
         # an update until the next step starts (then the update's stall, reported with the next);
@@ -656,7 +582,7 @@ class WeightUpdateExtension:
         self._ws_stats, self._ws_last_end, self._ws_gap_from, self._ws_stall = {}, None, None, None
         self._ws_since = self._ws_clock.now_s()
         self._ws_busy = 0.0
-        self._ws_window = None  # the timeline's current window of decode steps (_ws_count)
+        self._ws_timeline = common.EngineTimeline(self._ws_events, self._ws_clock)
         # vLLM calls them by name: getattr(worker, name)
         for name in ("execute_model", "sample_tokens"):
             setattr(self, name, self._ws_timed(getattr(self, name)))
@@ -707,35 +633,7 @@ class WeightUpdateExtension:
             self._ws_busy += end - start
             self._ws_last_end = end
             if self._ws_events.on:
-                self._ws_count(start, end, sequences)
-
-    def _ws_count(self, start: float, end: float, sequences: int):
-        """The timeline's engine counters: steps summed into windows of >= 0.25 s (a few records
-        a second whatever the step rate): busy fraction, occupancy h (sequences per step) and
-        tokens/s (a step makes one token per scheduled sequence, a partial prefill chunk aside).
-        A window, on the clock's seconds: its start, the end of its last step, busy seconds,
-        steps that scheduled a sequence, and the sequences they scheduled."""
-        w = self._ws_window or dict(start=start, end=start, busy=0.0, steps=0, sequences=0)
-        # idle since the last step: its window ends there, then an empty one (zeros) until this step
-        if start - w["end"] > 0.25:
-            self._ws_emit(w)
-            self._ws_emit(dict(start=w["end"], end=start, busy=0.0, steps=0, sequences=0))
-            w = dict(start=start, end=start, busy=0.0, steps=0, sequences=0)
-        w["busy"] += end - start
-        w["end"] = end
-        w["steps"] += sequences > 0
-        w["sequences"] += sequences
-        if end - w["start"] >= 0.25:
-            self._ws_emit(w)
-            w = dict(start=end, end=end, busy=0.0, steps=0, sequences=0)
-        self._ws_window = w
-
-    def _ws_emit(self, w: dict):
-        """One window's counters, recorded at its start."""
-        seconds = max(w["end"] - w["start"], 1e-9)
-        self._ws_events.counter("engine", self._ws_clock.wall(w["start"]), busy=w["busy"] / seconds,
-                                inflight=w["sequences"] / max(w["steps"], 1),
-                                tokens_per_s=w["sequences"] / seconds)
+                self._ws_timeline.step(start, end, sequences)
 
     def receive_weights(self) -> dict:
         """One update: read its header and check it against the checkpoint (before any weight

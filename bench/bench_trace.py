@@ -7,7 +7,7 @@ with the trace on and off alike: run-to-run noise of +-10% hides a cost of a few
 
 For each events_<track>.jsonl of each run: records per second of the run, times the measured cost of
 one record (common.Events: a list append, a JSON line written once a second), plus, for the engine,
-the bookkeeping of every decode step (weights_sync.WeightUpdateExtension._ws_count: a few float
+the bookkeeping of every decode step (common.EngineTimeline.step: a few float
 additions per step, measured on a bare instance), as a fraction of one core's time. Prints one line
 per track and the largest fraction."""
 import os
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 from scripts.rundir import read_events  # noqa: E402
-from weights_sync import StepClock, WeightUpdateExtension  # noqa: E402
+from common import EngineTimeline, StepClock  # noqa: E402
 
 
 def record_cost(n=200_000) -> float:
@@ -36,18 +36,17 @@ def record_cost(n=200_000) -> float:
 
 
 def step_cost(n=200_000) -> float:
-    """Seconds per decode step of the engine's bucket bookkeeping (_ws_count), records included."""
+    """Seconds per decode step of the engine's bucket bookkeeping (EngineTimeline.step), records
+    included."""
     with tempfile.TemporaryDirectory() as d:
-        ext = WeightUpdateExtension.__new__(WeightUpdateExtension)
-        ext._ws_events = common.Events(d, "engine-bench", True)
-        ext._ws_clock = StepClock(cuda=False)
-        ext._ws_window = None
+        events = common.Events(d, "engine-bench", True)
+        timeline = EngineTimeline(events, StepClock(cuda=False))
         t0 = time.perf_counter()
         for i in range(n):
-            ext._ws_count(i * 1e-3, i * 1e-3 + 1e-6, 64)  # a step a millisecond, 64 sequences
-        ext._ws_events.flush()
+            timeline.step(i * 1e-3, i * 1e-3 + 1e-6, 64)  # a step a millisecond, 64 sequences
+        events.flush()
         seconds = (time.perf_counter() - t0) / n
-        ext._ws_events.path = Path(os.devnull)
+        events.path = Path(os.devnull)
         return seconds
 
 

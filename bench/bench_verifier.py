@@ -1,4 +1,4 @@
-"""Scoring throughput of verifier.ScorePool: 1 worker vs N workers on the same realistic mix, side by side.
+"""Scoring throughput of tasks.ScorePool: 1 worker vs N workers on the same realistic mix, side by side.
 
     .venv/bin/python bench/bench_verifier.py [--workers 2] [--items 800] [--rounds 2]
 
@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tasks  # noqa: E402
 from tests.conftest import score_many  # noqa: E402
-from verifier import ScorePool  # noqa: E402
+from tasks import ScorePool  # noqa: E402
 
 # Math templates filled with random numbers, so that math_verify's parse cache does not make repeats free.
 MATH = [  # (completion, gold) as functions of two random integers p, q

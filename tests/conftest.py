@@ -164,7 +164,7 @@ class FakeActor:
 
 
 def score_many(pool, items: list) -> list:
-    """[(completion, answer, task)] -> [(reward, status)] in the same order, through a verifier.ScorePool."""
+    """[(completion, answer, task)] -> [(reward, status)] in the same order, through a tasks.ScorePool."""
     tickets, done = [pool.submit(*item) for item in items], {}
     while len(done) < len(items):
         done.update({t: (reward, status) for t, reward, status, _ in pool.collect(timeout=0.1)})

@@ -34,7 +34,7 @@ import common  # noqa: E402
 import elastic  # noqa: E402
 import loss  # noqa: E402
 import trainer  # noqa: E402
-from conftest import FakeActor, Owner, forkserver, free_port, read_jsonl, receive_weights  # noqa: E402
+from conftest import FakeActor, Owner, forkserver, free_port, read_jsonl  # noqa: E402
 
 torch.set_num_threads(1)
 LR, WD, TEMP, CLIP = 1e-3, 0.1, 0.7, 1.0
@@ -715,7 +715,6 @@ def test_the_roster_follows_the_actors_the_ledger_counts_alive(tmp_path):
 
 def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):
     import zmq
-    import weights_sync as ws
     addr = f"tcp://127.0.0.1:{free_port()}"  # nobody binds it
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)

@@ -19,7 +19,7 @@ sys.path.insert(0, REPO)
 import common  # noqa: E402
 import tasks  # noqa: E402
 import conftest  # noqa: E402
-from conftest import read_jsonl, recv, score_many  # noqa: E402
+from conftest import read_jsonl, score_many  # noqa: E402
 import verifier as V  # noqa: E402
 
 BIG_POW = "\\boxed{9^{9^{9^{9}}}}"  # sympy tries to evaluate it: verify never returns (measured > 30 s)
@@ -128,7 +128,7 @@ MARGIN_S = 10.0  # a functional bound (the item must not hang), generous for a b
 
 @pytest.fixture(scope="module")
 def pool():
-    with contextlib.closing(V.ScorePool(workers=2, timeout_s=TIMEOUT_S, max_chars=50_000)) as p:
+    with contextlib.closing(tasks.ScorePool(workers=2, timeout_s=TIMEOUT_S, max_chars=50_000)) as p:
         yield p
 
 
@@ -165,14 +165,14 @@ def test_pool_hostile_input_is_bounded_and_pool_keeps_serving(pool, name, item, 
 
 
 def test_pool_cuts_completions_to_max_chars():
-    with contextlib.closing(V.ScorePool(workers=1, timeout_s=30, max_chars=100)) as p:
+    with contextlib.closing(tasks.ScorePool(workers=1, timeout_s=30, max_chars=100)) as p:
         tail = ("y" * 200 + "\\boxed{7}", "7", "math")
         head = ("\\boxed{7}" + "y" * 200, "7", "math")
         assert score_many(p, [tail, head]) == [(1.0, "correct"), (0.0, "no_answer")]
 
 
 def test_pool_replaces_a_killed_worker():
-    with contextlib.closing(V.ScorePool(workers=1, timeout_s=120, max_chars=50_000)) as p:
+    with contextlib.closing(tasks.ScorePool(workers=1, timeout_s=120, max_chars=50_000)) as p:
         assert score_many(p, [NORMAL]) == [(1.0, "correct")]  # the worker is up
         pid = p.workers[0]["proc"].pid
         ticket = p.submit(BIG_POW, "5", "math")  # hangs: only the kill can end it before 120 s
