@@ -685,6 +685,8 @@ class Actor:
             await self.hello()
             return False
         st.verifier = reply["verifier"]
+        # round trips to the ledger, and groups they started (bench/bench_ledger.py --run)
+        self.note(ledger_requests=1, tickets=len(reply["tickets"]))
         for ticket, group_id in reply["tickets"]:
             self.start_group(ticket, group_id)
         self.tasks = {t for t in self.tasks if not t.done()}
@@ -797,6 +799,7 @@ class Actor:
             "update_stall_wire_load_s": mean("stall_wire_load_s", None),
             "admission_blocked_s": st.blocked_s - self.blocked_at_log,
             "started": st.started, "pushed": st.pushed, "inc": st.inc, "roster": st.roster,
+            "ledger_requests": len(get("ledger_requests")), "tickets": int(get("tickets").sum()),
             "epoch": st.epoch, "share": st.share,
             "verified": len(get("probe_diff")),
             "probe_diff_max": float(get("probe_diff").max(initial=0)),

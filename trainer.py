@@ -399,7 +399,6 @@ class TrainState:
     malformed: int = 0  # malformed messages this rank dropped
     # samples of another trainer epoch, or of a group lost on the way (take_batch)
     discarded: int = 0
-    alone_since: float = None  # when rank 0 saw the weight roster without actors (take_batch)
     last_sample: float = 0.0  # when this rank last received a sample (pull_samples)
     # verifier incarnation -> the first order of its forwards not yet passed on this rank: past
     # its samples' orders and its ticks' (pull_samples)
