@@ -161,7 +161,7 @@ class Ledger:
         self.forwarded = {}  # (verifier, order) -> an open forwarded ticket
         self.actors = {}  # live actor incarnation -> when it last spoke (this host's clock)
         self.looked = time.monotonic()  # when silence was last looked at (`check_silence`)
-        self.void = []  # tickets given back since the verifier's last request: it drops their parts
+        self.void = []  # [ticket, group id] given back since the verifier's last request: it drops their parts
         self.dropped = []  # group ids dropped since trainer rank 0's last request (its done set)
         self.note("start", pid=os.getpid())  # (a resumed run's new start: no stall across it)
 
@@ -245,7 +245,7 @@ class Ledger:
             t = self.open.pop(k)
             self.forwarded.pop((t.verifier, t.order), None)
             heapq.heappush(self.redo, t.group)
-        self.void += tickets
+            self.void.append([k, t.group])
         self.note("given_back", tickets=tickets, why=why)
 
     def drop(self, k: int, why: str):

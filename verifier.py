@@ -175,9 +175,8 @@ def forward(state: State, ledger):
         state.next_order = order + 1
     state.counts["refused_groups"] += len(state.ready)
     state.ready = {}
-    for ticket in reply["void"]:
-        for key in [k for k in state.open if k[2] == ticket] or [(False, None, ticket)]:
-            state.close(key)
+    for ticket, group_id in reply["void"]:
+        state.close((False, group_id, ticket))
 
 def log_window(state: State, pool, now):
     """Log the metrics of the window that ends `now` and start the next one."""

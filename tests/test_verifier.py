@@ -430,3 +430,35 @@ def test_service_grades_evaluations_and_drops_non_finite_rollouts(tmp_path, toke
         stop_verifier(proc, ctx, run_dir, owner)
     (record,) = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
     assert (record["version"], record["versions"], record["test_reward"], record["n"]) == (30, [30, 31], 0.5, 4)
+
+
+def test_service_closes_groups_the_ledger_gave_back_before_their_samples_came(tmp_path, tokenizer_dir):
+    """An actor lost before any sample of its group reached the verifier: the ledger gives the ticket
+    back and tells the verifier (its `void`), which closes the copy by (group id, ticket). Samples of it
+    that come later are late duplicates: not scored, not forwarded."""
+    model_dir, tok = tokenizer_dir
+    run_dir = str(tmp_path)
+    proc, push, pull, ctx, owner = start_verifier(run_dir, model_dir)
+    try:
+        owner.open_epoch()
+        (gone, gone_id), (first, first_id) = owner.tickets(2)
+
+        def group(ticket, group_id):
+            for idx, text in enumerate(["#5", "#6"]):
+                conftest.send(push, *rollout(tok, group_id, idx, 2, "arithmetic", "5", text, ticket=ticket))
+            return {(h["group_id"], h["ticket"]) for h, _ in receive(pull, 2)}
+
+        assert group(first, first_id) == {(first_id, first)}  # the verifier is up (it said hello)
+        owner.ledger.request("lost", inc=owner.inc, why="the test")
+        owner.inc = owner.ledger.request("actor_hello", pid=os.getpid(), host="test")["inc"]
+        (second, second_id), (third, third_id) = owner.tickets(2)
+        # forwarded after the give-back: the ledger's reply that accepted it carried the void (or one before)
+        assert group(second, second_id) == {(second_id, second)}
+        conftest.send(push, *rollout(tok, gone_id, 0, 2, "arithmetic", "5", "#5", ticket=gone))
+        conftest.send(push, *rollout(tok, gone_id, 1, 2, "arithmetic", "5", "#6", ticket=gone))
+        assert group(third, third_id) == {(third_id, third)}  # (after the late ones: one socket)
+        m = wait_metrics(run_dir, lambda r: r["verifier/groups_forwarded"] == 3)
+        assert (m["verifier/duplicates"], m["verifier/refused_groups"]) == (2, 0)
+        assert m["verifier/status_correct"] + m["verifier/status_wrong"] == 6  # the void copy never scored
+    finally:
+        stop_verifier(proc, ctx, run_dir, owner)
