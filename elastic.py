@@ -158,7 +158,6 @@ class Ledger:
         self.next_group = 0  # no id at or above it was ever granted in this epoch's timeline
         self.version = -1  # the trainer's version as last reported (-1: no trainer yet)
         self.forwards = {}  # verifier incarnation -> the tickets it forwarded (its next order)
-        self.forwarded = {}  # (verifier, order) -> an open forwarded ticket
         self.actors = {}  # live actor incarnation -> when it last spoke (this host's clock)
         self.looked = time.monotonic()  # when silence was last looked at (`check_silence`)
         self.void = []  # [ticket, group id] given back since the verifier's last request: it drops their parts
@@ -243,7 +242,6 @@ class Ledger:
     def give_back(self, tickets: list, why: str):
         for k in tickets:
             t = self.open.pop(k)
-            self.forwarded.pop((t.verifier, t.order), None)
             heapq.heappush(self.redo, t.group)
             self.void.append([k, t.group])
         self.note("given_back", tickets=tickets, why=why)
@@ -280,7 +278,6 @@ class Ledger:
             if t is not None and t.state != "forwarded":
                 order = self.forwards[self.verifier]
                 t.state, t.verifier, t.order = "forwarded", self.verifier, order
-                self.forwarded[self.verifier, order] = k
                 self.forwards[self.verifier] += 1
                 accepted.append([k, order])
         if accepted:
@@ -314,11 +311,12 @@ class Ledger:
         if r["epoch"] == self.epoch:
             self.version = r["version"]
             for k in r["trained"]:
-                t = self.open.pop(k)
-                del self.forwarded[t.verifier, t.order]
+                del self.open[k]
             if r["trained"]:
                 self.note("trained", tickets=r["trained"], version=self.version, epoch=self.epoch)
-            lost = [self.forwarded.pop((v, o)) for v, o in r["lost"] if (v, o) in self.forwarded]
+            gone = {(v, o) for v, o in r["lost"]}
+            lost = [k for k, t in self.open.items()
+                    if t.state == "forwarded" and (t.verifier, t.order) in gone]
             if lost:
                 self.give_back(lost, "lost on the way")
         dropped, self.dropped = self.dropped, []

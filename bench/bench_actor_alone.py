@@ -46,16 +46,17 @@ def main():
     import actor
     import common
     import elastic
-    from types import SimpleNamespace
     from scripts.rundir import read_events, read_jsonl
     import weights_sync as ws
     from safetensors.torch import load_file
     from tests.conftest import free_port
+    from tests.conftest import Owner, budget_of
     tmp = tempfile.mkdtemp()
-    store = ws.create_store("127.0.0.1", 0, True, 120)
-    cfg = common.load_config([f"run.dir={tmp}", f"sync.port={store.port}", f"ports.rollouts={free_port()}",
-                              f"actor.max_inflight={args.h}", f"actor.cpu_cores={args.cores}", "actor.eval_every=0",
-                              "actor.max_lag=100000", "sync.verify_every=0", *args.overrides])
+    # the run's owner process (elastic.py: store, ledger) as run.sh starts it
+    owner = Owner(tmp, f"ports.rollouts={free_port()}", f"actor.max_inflight={args.h}",
+                  f"actor.cpu_cores={args.cores}", "actor.eval_every=0", "actor.max_lag=100000",
+                  "sync.verify_every=0", *args.overrides)
+    cfg, store = owner.cfg, owner.store
     common.setup_logging(cfg, "actor")
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(common.zmq_addr("127.0.0.1", cfg.ports.rollouts))
@@ -72,17 +73,12 @@ def main():
     async def run():
         engine = actor.start_engines(cfg)[0]
         await actor.init_sync(cfg, [engine])
-        # trainer rank 0's side: takes the actor into its group once it beats, sends version 0, and
-        # publishes the (unbounded: max_lag) budget as the trainer's books do
-        group = elastic.Membership(cfg, epoch=1, on_cut=elastic.fence)
-        server = ws.WeightServer(cfg, version=0, device=torch.device("cpu"), group=group)
-        books = elastic.Ledger(store, None, SimpleNamespace(trained_below=0, trained_ids=set()))
-
-        def keep_books():
-            while not stop.is_set():
-                books.follow(group, 0, force=False)
-                time.sleep(0.2)
-        threading.Thread(target=keep_books, daemon=True).start()
+        # trainer rank 0's side: a trainer epoch whose (unbounded: max_lag) lag budget the ledger keeps;
+        # its weight server takes the actor into a roster once it says hello and sends version 0
+        epoch = owner.ledger.request("trainer_hello", epoch=0, step=0, done_below=0, done_above=[],
+                                     budget=budget_of(cfg))["epoch"]
+        server = ws.WeightServer(cfg, version=0, device=torch.device("cpu"), epoch=epoch,
+                                 ledger=lambda: elastic.Client(cfg, store))
         server.send(0, iter(sd.items()), wait=True)
         halt = asyncio.Event()
         task = asyncio.ensure_future(actor.run_actor(cfg, [engine], store, halt))
@@ -111,7 +107,8 @@ def main():
           f"engine busy {np.mean(busy):.3f}; "
           f"front-end CPU {1000 * (cpu[1][1] - cpu[0][1]) / max(tokens, 1):.3f} s per 1k engine tokens "
           f"({(cpu[1][1] - cpu[0][1]) / (cpu[1][0] - cpu[0][0]):.2f} of a core)", flush=True)
-    # Leave at once: tearing down the gloo group and the store (this process is its master) at interpreter exit,
+    owner.close()
+    # Leave at once: tearing down the gloo group at interpreter exit,
     # with the engine's worker gone, aborts ("terminate called ... TCPStore"); there is nothing left to clean up.
     os._exit(0)
 

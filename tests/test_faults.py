@@ -163,6 +163,19 @@ def test_lost_on_the_way_comes_back_without_a_cut(tmp_path):
     assert [g for _, g in tickets(ledger, 2, version=0, want=1)] == [granted[1][1]]
 
 
+
+def test_giving_back_a_pushed_copy_leaves_the_verifiers_forwarded_ones_alone(tmp_path):
+    """A pushed copy names its verifier and no order yet: giving it back (its actor lost) must not
+    touch the copy that verifier forwarded first (order 0), which is trained, or lost, as usual."""
+    ledger = started(tmp_path)
+    first, second = tickets(ledger, 1, version=0, want=1)[0], tickets(ledger, 2, version=0, want=1)[0]
+    ask(ledger, "forward", verifier=1, forward=[first[0]], drop=[])
+    tickets(ledger, 2, version=0, want=0, pushed=[[second[0], 1]])
+    ask(ledger, "lost", inc=2, why="the test")
+    ask(ledger, "report", epoch=1, version=1, trained=[first[0]], lost=[])
+    assert [e["tickets"] for e in journal(tmp_path) if e["event"] == "trained"] == [[first[0]]]
+    assert ledger.open == {}
+
 # --- a trainer restarted, a ledger resumed --------------------------------------------------------
 
 def test_a_trainer_restart_gives_back_everything_open_and_grants_the_undone_ids_first(tmp_path):
