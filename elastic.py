@@ -85,12 +85,8 @@ class Client:
     def request(self, kind: str, **fields) -> dict:
         self.sock.send(json.dumps({"op": kind, **fields}).encode())
         while not self.sock.poll(1000):
-            check_store(self.store)
-        return self._reply(self.sock.recv())
-
-    @staticmethod
-    def _reply(frame: bytes) -> dict:
-        reply = json.loads(frame)
+            self.store.check(["announced"])  # DistNetworkError: the store went away
+        reply = json.loads(self.sock.recv())
         if "error" in reply:
             raise RuntimeError(f"the ledger refused a request: {reply['error']}")
         return reply
@@ -103,16 +99,11 @@ async def unless_store_lost(store, awaitable):
     task = asyncio.ensure_future(awaitable)
     while not (await asyncio.wait({task}, timeout=1.0))[0]:
         try:
-            check_store(store)
+            store.check(["announced"])  # DistNetworkError: the store went away
         except Exception:
             task.cancel()
             raise
     return task.result()
-
-
-def check_store(store):
-    """Raise DistNetworkError if the run's store went away."""
-    store.check(["announced"])
 
 
 def store_lost(role: str, error) -> int:

@@ -847,12 +847,12 @@ def take_batch(sock, pending, want, size, state, cfg, addr, vocab_size, ledger=N
                      "running, and is an actor in the weight roster (trainer rank 0's log)?")
 
 def report(ledger, state, trained: list, lost: list):
-    """Rank 0 to the ledger: the tickets trained by the step that made state.step, the groups
-    lost on the way; back: the group ids dropped since (done for good) and every verifier's
-    forwards."""
-    reply = ledger.request("report", epoch=state.epoch, version=state.step, trained=trained,
-                           lost=lost)
-    state.done_ids |= set(reply["dropped"])
+    """Rank 0 to the ledger: the groups [(ticket, group id)] trained by the step that made
+    state.step, the groups lost on the way; back: the group ids dropped since and every
+    verifier's forwards. Trained and dropped ids are done for good (the checkpoint's done set)."""
+    reply = ledger.request("report", epoch=state.epoch, version=state.step,
+                           trained=[ticket for ticket, _ in trained], lost=lost)
+    state.done_ids |= set(reply["dropped"]) | {group_id for _, group_id in trained}
     state.ends = reply["forwards"]
 
 def write_samples(cfg, state, samples):
@@ -947,8 +947,7 @@ def main():
         state.events.span("wait", t_wait)
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
         if is_main():  # the ledger's count and version move together; done before any checkpoint
-            report(ledger, state, [ticket for ticket, _ in groups], [])
-            state.done_ids |= {group_id for _, group_id in groups}
+            report(ledger, state, groups, [])
         # The weights go out in pipeline mode after every applied step; conventional: once per RL
         # step (G_steps steps), even when its last step was skipped (the actor waits for this
         # broadcast to start the next RL step).

@@ -91,13 +91,12 @@ class State:
             self.finished.popitem(last=False)
 
     def drop(self, key, size: int, why: str):
-        """A group that will not be forwarded: a training group is reported to the ledger (which
-        records why, and never grants its id again)."""
+        """A training group that will not be forwarded: reported to the ledger (which records
+        why, and never grants its id again)."""
         self.close(key)
-        if not key[0]:
-            self.counts["dropped_groups"] += 1
-            self.counts["dropped_samples"] += size
-            self.drops.append([key[2], why])
+        self.counts["dropped_groups"] += 1
+        self.counts["dropped_samples"] += size
+        self.drops.append([key[2], why])
 
 def receive(sock, state: State, pool, tokenizer, limit: int):
     """Check, decode, submit rollouts while the pool has room. A malformed one drops its group: it

@@ -131,17 +131,13 @@ def later_roster(store, g: int) -> bool:
 # per group given up mid-operation.
 _ABANDONED = {}
 
-def shut_down(pg):
-    """Close a process group's connections (None, or one already shut down: nothing)."""
-    with contextlib.suppress(Exception):
-        pg.shutdown()
-
 def abandon(pg):
     """Give up a weight group (None: nothing): an operation still waiting on it fails at once
     (`wait`), on either backend."""
     if pg is not None:
         _ABANDONED[id(pg)] = pg
-        shut_down(pg)
+        with contextlib.suppress(Exception):  # (one already shut down)
+            pg.shutdown()
 
 def wait(work, pg):
     """`work.wait()` on group `pg`, which raises DistError once the group is abandoned (gloo: polled
@@ -203,14 +199,10 @@ class WeightSender:
         self.device = device or _device(pg)
         self.staging = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
 
-    def announce(self, value: str):
-        """The next announcement: a version about to be broadcast, or "done" (the actors exit)."""
-        announce(self.store, value)
-
     def send(self, version: int, named_tensors, manifest):
         entries, sizes = bucket_layout(manifest, self.bucket_bytes)
         header = json.dumps(dict(version=int(version), tensors=entries, buckets=sizes)).encode()
-        self.announce(str(int(version)))  # the actor wakes on this and joins the broadcast
+        announce(self.store, str(int(version)))  # the actor wakes on this and joins the broadcast
         pg = self.pg
         wait(pg.broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device), 0), pg)
         wait(pg.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), 0), pg)
@@ -338,7 +330,7 @@ class WeightServer:
         actors exit on "done")."""
         self.drain()
         with self.lock:
-            self.sender.announce(last)
+            announce(self.store, last)
             self.closed = True  # the threads stop at their next turn
 
     def _watch(self):

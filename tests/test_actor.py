@@ -703,7 +703,7 @@ def test_conventional_schedule_exact_batches_one_version(env, tmp_path, capsys):
             assert not pull.poll(300)  # the actor waits for new weights: no sample beyond B*G_steps
             if step < 3:
                 version = env["trainer"].send(env["sd"], version + G)  # weights go out every G_steps steps
-        env["trainer"].sender.announce("done")  # the trainer's last step: the actor ends by itself
+        ws.announce(env["trainer"].store, "done")  # the trainer's last step: the actor ends by itself
         return version
 
     st, last, rest = _run_loop(env, cfg, trainer, ends_itself=True)

@@ -80,7 +80,7 @@ def _rank(rank, world, port, tmp, overrides, samples_port, steps, epoch):
         report["batches"].append([[s["ticket"], s["sample_idx"]] for s in samples])
         state.step += 1
         if ledger is not None:
-            trainer.report(ledger, state, [ticket for ticket, _ in groups], [])
+            trainer.report(ledger, state, groups, [])
         if rank == 1 and step == 0:
             report["queued_at_drop"] = sock.poll(30_000) != 0  # samples wait here: they go with the socket
             sock.sock.close(linger=0)
