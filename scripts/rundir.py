@@ -7,9 +7,10 @@ A run directory holds, among others (README, "What you will see"):
   metrics_<role>.jsonl      one record per log line, keys `actor/`, `verifier/`, `trainer/`
   eval.jsonl                one record per test evaluation: version, test_reward, time
   samples_trainer.jsonl     one record per optimizer step of trainer rank 0: its samples' group
-                            ids, sample_idx, incarnations and per-token versions (run-length coded);
+                            ids, sample_idx, tickets and per-token versions (run-length coded);
                             samples_trainer.rank<r>.jsonl the same for rank r >= 1
-  groups_dropped.jsonl      the groups the verifier chose not to train (zero advantage, malformed)
+  ledger.jsonl              the ledger's journal: every ticket (a copy of a group) issued,
+                            forwarded, trained, dropped or given back, and why (elastic.py)
   events_<track>.jsonl      each process's timeline (format: docs/TRACE.md)
 
 Every file is JSONL that a process appends to and may be killed in the middle of a line: every
@@ -22,8 +23,6 @@ script may import it without reaching another's code.
     read_samples(run_dir)         every trainer rank's samples records, older records' fields filled
     timeline(records)             the samples records that stay: a restarted trainer's replace the
                                   steps it redid
-    read_dropped(run_dir)         the verifier's dropped groups
-    read_given_up(run_dir)        the group ids actors gave up at a cut (metrics_actor.jsonl)
     Run(path), load_runs(paths)   a run's trainer metrics and evaluations as arrays
     group_settings(runs)          runs grouped by setting (seeds of one setting together), labelled
 """
@@ -129,25 +128,6 @@ def timeline(records) -> list:
             stays.append(r)
         kept += stays
     return sorted(kept, key=lambda r: (r["step"], r["rank"]))
-
-
-def read_dropped(run_dir) -> list:
-    """groups_dropped.jsonl: {group_id, inc, cut, size, reason, time} per group the verifier chose
-    not to train (reason `zero_adv` or `malformed`); none when the file is absent."""
-    return read_jsonl(Path(run_dir) / "groups_dropped.jsonl")
-
-
-def read_given_up(run_dir, at_end: bool = False) -> set:
-    """The group ids the actors gave up at a cut, an exclusion or their end, unfinished
-    (metrics_actor.jsonl's `actor/groups_given_up`); at_end: only those of each incarnation's last
-    record, once the trainer has finished (`trainer/done`): in flight when the run ended."""
-    records = read_jsonl(Path(run_dir) / "metrics_actor.jsonl")
-    if at_end:
-        trainer = read_jsonl(Path(run_dir) / "metrics_trainer.jsonl")
-        if not (trainer and "trainer/done" in trainer[-1]):
-            return set()
-        records = list({r.get("actor/inc"): r for r in records}.values())
-    return {g for r in records for g in r.get("actor/groups_given_up") or []}
 
 
 # --- runs as arrays, grouped by setting ----------------------------------------------------------
