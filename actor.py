@@ -1,25 +1,26 @@
 """Actor: vLLM generation with in-flight weight updates (PipelineRL, arXiv 2509.19128, Algorithm 2).
 
-Consumes: training prompts from tasks.py (a seeded stream, indexed by group id:
-  elastic.take_group_id hands out each id once); new weights over the weight group
+Consumes: tickets from the ledger (elastic.py: a group id, each copy of a group once), each the
+  index of a prompt in tasks.py's seeded stream; new weights over the weight roster
   (weights_sync.py), announced by the store keys `announce/<n>`.
 Produces: one `rollout` (common.SCHEMAS) per finished sample, ZMQ PUSH to ports.host:ports.rollouts:
   prompt_ids, completion_ids, logprobs (behaviour policy μ: log_softmax(logits/temperature) of each
   sampled token), versions (the version that sampled each token), group, task and timing fields;
   `eval` marks a test-split attempt, graded into eval.jsonl. Metrics `actor/*` in
   metrics_actor.jsonl.
-Run alone (needs the run's store at sync.host:sync.port, `python weights_sync.py`, and a PULL
-  socket): python actor.py [k=v ...]
-  Exits 0 on SIGTERM/SIGINT or "done"; non-zero when no weight group takes it in within
-  run.peer_timeout_s (naming the store) or the store goes away. ACTOR_PROC_INDEX=p (one per node):
-  its name in logs, and process 0 evaluates.
-Elastic: each start (and each return after being counted lost) is a new incarnation in the store;
-  the trainer takes every live one into its weight group (elastic.py). The lag budget is the run's,
-  one for all incarnations (`admit`): a lost one's samples go back to it.
+Run alone (needs the run's store and ledger, `python elastic.py`, and a PULL socket):
+  python actor.py [k=v ...]
+  Exits 0 on SIGTERM/SIGINT or "done"; 2 when no weight roster takes it in within
+  run.peer_timeout_s; 3 when the store goes away (naming it); 4 when an engine hangs (no decode
+  step with requests in flight for run.hang_timeout_s). ACTOR_PROC_INDEX=p (one per node): its name
+  in logs, and process 0 evaluates.
+Elastic: each start (and each return after being counted lost) is a new incarnation at the ledger;
+  the trainer takes every live one into its weight roster. The lag budget is the run's, one for
+  all incarnations (elastic.Ledger.admit): a lost one's groups go back to it.
 
 Simplifications vs the paper and its code:
-1. Admission control bounds lag by how many samples may start ahead of the trainer (`admit`); the
-   paper bounds it only implicitly, through H and the trainer's speed (App. A.3).
+1. Admission control bounds lag by how many samples may start ahead of the trainer (the ledger's
+   `admit`); the paper bounds it only implicitly, through H and the trainer's speed (App. A.3).
 2. A group's `group_size` attempts are independent n=1 requests (finer admission, per-sample push);
    prefix caching is off, so they share no KV (docs/DESIGN.md, "Stale KV after an update").
 3. Evaluation (process 0 only) never holds back an update: it runs beside training in max_inflight/4
@@ -84,7 +85,7 @@ def engine_args(cfg, proc_index: int = 0, device_ids: list = None, engine: int =
         scheduling_policy="priority",
         # tp > 1: workers in processes of their own, whose RPCs time out after sync.timeout_s (vLLM
         # would pick Ray where a Ray placement group exists); tp = 1: the worker runs in the engine
-        # core, where the weight group's own timeouts bound an update
+        # core, where the weight roster's own timeouts bound an update
         distributed_executor_backend="mp" if cfg.actor.tp > 1 else None,
         # CPU: a step's token budget (vLLM's default there: 2048) must hold one token a sequence
         max_num_seqs=seqs, max_num_batched_tokens=None if on_gpu else max(2048, seqs),

@@ -308,7 +308,7 @@ SCHEMAS = {"rollout": (_ROLLOUT, _ARRAYS), "sample": (_SAMPLE, _ARRAYS), "tick":
 # tokens at 4 bytes each: 16 MiB holds 4M tokens. Anything bigger is a bug or an attack.
 MAX_HEADER_BYTES = 64 * 2**10
 MAX_FRAME_BYTES = 16 * 2**20
-# Header ids and counts (group_id, sample_idx, group_size, inc, cut, seq, ...) are non-negative
+# Header ids and counts (group_id, sample_idx, group_size, ticket, order, ...) are non-negative
 # and fit in int32: the trainer sums them in float64 and the store adds them as int64, exactly.
 _MAX_ID = 2**31 - 1
 _WHAT = {bool: "true or false", int: f"an integer in [0, {_MAX_ID}]", float: "a finite number",

@@ -5,7 +5,7 @@ Consumes  `sample` messages (common.SCHEMAS: rollout, reward, advantage, verifie
           `tick`s, ZMQ PULL from the verifier at ports.host:ports.samples; the ranks train whole
           groups in the order the verifier forwarded them, B = trainer.batch_size per step.
 Produces  (1) the weights after every optimizer step (every actor.G_steps, conventional) to the
-          weight group of the live actors (weights_sync.WeightServer), version = optimizer steps
+          weight roster of the live actors (weights_sync.WeightServer), version = optimizer steps
           taken; (2) <run.dir>/checkpoints/step-N (HF safetensors, config, tokenizer,
           optim-rank{r}.pt, trainer_state.json, COMPLETE); (3) metrics_trainer.jsonl and, per
           rank, samples_trainer[.rank{r}].jsonl (each step's sequences: group ids, sample
@@ -13,7 +13,7 @@ Produces  (1) the weights after every optimizer step (every actor.G_steps, conve
           scripts/check_run.py); (4) to the ledger (elastic.py, rank 0): the tickets each step
           trained, with the version it made, and the groups lost on the way.
 Run alone (the run's store and ledger, `python elastic.py`; a verifier pushes
-samples, the actors' vLLM workers join the weight group):
+samples, the actors' vLLM workers join the weight roster):
     torchrun --standalone --nproc_per_node=N trainer.py trainer.nproc=N [section.key=value ...]
 `python trainer.py` without torchrun runs one rank with no process group (every collective is a
 no-op).

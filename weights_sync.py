@@ -100,7 +100,7 @@ def init_group(store, rank: int, world_size: int, backend: str = "auto", timeout
     if "pg" not in box:
         cause = box.get("error", "a member was lost meanwhile" if given_up() else
                         f"no end after {timeout_s:.0f} s (sync.timeout_s)")
-        raise RuntimeError(f"the weight group's first broadcast (rank {rank} of {world_size}, store "
+        raise RuntimeError(f"the weight roster's first broadcast (rank {rank} of {world_size}, store "
                            f"at {store.host}:{store.port}: sync.host:sync.port) failed: {cause}; is "
                            "every member up (trainer.py, and every actor.py's vLLM workers)?")
     return box["pg"]
@@ -111,7 +111,7 @@ def _new_group(backend: str, prefix, rank: int, world_size: int, timeout):
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     # Blocking wait for this group only (read when a group is built): a collective that outlives
-    # timeout_s then raises in the waiting thread, which names the weight group, as gloo does. By
+    # timeout_s then raises in the waiting thread, which names the roster, as gloo does. By
     # default NCCL's watchdog would abort the whole process instead, with no word on what to
     # check. (the environment is restored as it was on the way out)
     with mock.patch.dict(os.environ, {"TORCH_NCCL_BLOCKING_WAIT": "1"}):
@@ -132,8 +132,8 @@ def later_roster(store, g: int) -> bool:
 _ABANDONED = {}
 
 def abandon(pg):
-    """Give up a weight group (None: nothing): an operation still waiting on it fails at once
-    (`wait`), on either backend."""
+    """Give up a roster's process group (None: nothing): an operation still waiting on it fails
+    at once (`wait`), on either backend."""
     if pg is not None:
         _ABANDONED[id(pg)] = pg
         with contextlib.suppress(Exception):  # (one already shut down)
@@ -146,8 +146,8 @@ def wait(work, pg):
     if pg.name() == "gloo":
         while not work.is_completed():
             if id(pg) in _ABANDONED:
-                raise dist.DistError("the weight group was given up (a newer one was formed) while "
-                                     "this operation waited")
+                raise dist.DistError("the weight roster's group was given up (a newer roster was "
+                                     "formed) while this operation waited")
             time.sleep(0.0002)
     try:
         work.wait()
@@ -644,7 +644,7 @@ class WeightUpdateExtension:
         # gloo, and NCCL with blocking wait (init_group): a timeout or a lost peer
         except dist.DistError as e:
             raise RuntimeError(f"the weight broadcast from trainer rank 0 failed ({e}); is "
-                               "trainer.py still running? the weight group's store is at "
+                               "trainer.py still running? the weight roster's store is at "
                                "sync.host:sync.port") from e
         if missing := sorted(self._ws_params - set(loaded)):
             # the manifest matched, but vLLM's loader skipped these: they would keep old weights

@@ -1,9 +1,9 @@
 """One hang, reproduced: start `bash run.sh` (any checkout: --repo), SIGSTOP one process at a
-step, watch what the run does for a while, then stop everything. Not a test: it prints what
+step (--kill: SIGKILL, a death), watch what the run does for a while, then stop everything. Not a test: it prints what
 happened, for before/after comparisons of the fault layer.
 
     .venv/bin/python bench/hang_repro.py --target engine --at-step 10 --watch 150 [--repo DIR]
-        [section.key=value ...]
+        [--kill] [section.key=value ...]
 
 --target: engine (the actor's vLLM engine core), actor (the actor's own process), verifier,
 trainer0 (trainer rank 0). Reported (and written as JSON to --out): the last step before the stop,
@@ -67,6 +67,7 @@ def main(argv=None):
     ap.add_argument("--target", choices=["engine", "actor", "verifier", "trainer0"], required=True)
     ap.add_argument("--at-step", type=int, default=10)
     ap.add_argument("--watch", type=float, default=150.0)
+    ap.add_argument("--kill", action="store_true", help="SIGKILL instead of SIGSTOP: a death, not a hang")
     ap.add_argument("--repo", default=str(REPO))
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*")
@@ -89,8 +90,9 @@ def main(argv=None):
             raise SystemExit(f"hang_repro: no {a.target} process found (see {log})")
         before = steps(run_dir)[-1][1]
         t_stop = time.time()
-        stopped.send_signal(signal.SIGSTOP)
-        print(f"hang_repro: SIGSTOP {a.target} (pid {stopped.pid}) after step {before}", flush=True)
+        sig = signal.SIGKILL if a.kill else signal.SIGSTOP
+        stopped.send_signal(sig)
+        print(f"hang_repro: {sig.name} {a.target} (pid {stopped.pid}) after step {before}", flush=True)
         while time.time() < t_stop + a.watch and node.poll() is None:
             time.sleep(0.5)
         after = [(t, s) for t, s in steps(run_dir) if t > t_stop]
@@ -103,7 +105,8 @@ def main(argv=None):
                     named.append(f"{path.name}: {line.strip()[:300]}")
         runsh = [line.strip() for line in log.read_text(errors="replace").splitlines()
                  if "exited" in line or "FAILED" in line or "starting it again" in line]
-        report = {"repo": str(repo), "target": a.target, "pid": stopped.pid, "stopped_after_step": before,
+        report = {"repo": str(repo), "target": a.target, "signal": sig.name, "pid": stopped.pid,
+                  "stopped_after_step": before,
                   "watch_s": a.watch, "steps_in_watch": len(after),
                   "last_step_in_watch": after[-1][1] if after else None,
                   "first_step_after_stop_s": round(after[0][0] - t_stop, 1) if after else None,
@@ -117,7 +120,7 @@ def main(argv=None):
         if stopped is not None:
             try:
                 stopped.send_signal(signal.SIGCONT)
-            except psutil.NoSuchProcess:
+            except (psutil.NoSuchProcess, ProcessLookupError):
                 pass
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGTERM)
