@@ -396,6 +396,26 @@ def test_three_seeded_kills_at_max_lag_0(tiny_model_dir, tmp_path, capsys):
     assert summary["kills_done"] == 3 and rc == 0, f"{out}\n{json.dumps(summary, indent=1)}\n{logs}"
 
 
+
+def test_four_seeded_faults_with_hangs_at_max_lag_0(tiny_model_dir, tmp_path, capsys):
+    """bench/chaos.py --hang, 4 faults on one node at actor.max_lag=0 drawn by seed 27: the engine core
+    stopped (SIGSTOP: nothing dies), trainer rank 0 stopped, the actor killed, the verifier stopped, each
+    a drawn 5-15 steps after training moved again (run.hang_timeout_s=15). Each hang is found by the
+    progress it stops, named, killed and started again; the run goes on within its stall bound;
+    scripts/check_run.py finds every invariant held; no role that did not fail was restarted, and
+    nothing of a failed role lives on. Before (90804ca), a stopped engine core made the trainer restart
+    itself from step 0 until run.max_restarts, and a stopped trainer rank sat silent for good."""
+    import sys
+    sys.path.insert(0, str(REPO / "bench"))
+    import chaos
+    rc = chaos.main(["--kills", "4", "--seed", "27", "--hang", "--actors", "1", "--nproc", "1",
+                     "--workers", "2", "--max-lag", "0", "--model", str(tiny_model_dir), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "chaos.json").read_text())
+    logs = "".join(p.read_text()[-3000:] for p in tmp_path.glob("node*.log"))
+    assert [k["kind"] for k in summary["kills"]] == ["engine_stop", "trainer_stop", "actor", "verifier_stop"], summary
+    assert summary["kills_done"] == 4 and rc == 0, f"{out}\n{json.dumps(summary, indent=1)}\n{logs}"
+
 def test_run_dir_resume_takes_the_newest_run_and_a_used_run_dir_is_refused(tmp_path, monkeypatch):
     """scripts/launch.resolve_run_dir, what run.sh's start-up calls, on a scratch runs/ folder (its
     module's REPO): run.resume=true without run.dir continues the newest run (by modification time,
