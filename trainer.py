@@ -44,7 +44,6 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +55,7 @@ import common
 import elastic
 import loss
 import weights_sync
+from scripts import rundir
 
 # torch 2.13 marks the two collectives FSDP needs as deprecated (their successors don't exist in
 # older torch).
@@ -400,6 +400,8 @@ class TrainState:
     # samples of another trainer epoch, or of a group lost on the way (take_batch)
     discarded: int = 0
     last_sample: float = 0.0  # when this rank last received a sample (pull_samples)
+    heard: float = 0.0  # when this rank last received anything, a tick included
+    redialed: float = 0.0  # when it last connected again after hearing nothing (take_batch)
     # verifier incarnation -> the first order of its forwards not yet passed on this rank: past
     # its samples' orders and its ticks' (pull_samples)
     passed: dict = field(default_factory=dict)
@@ -646,15 +648,6 @@ def _fsync(path):  # files and directories alike
     os.fsync(fd)
     os.close(fd)
 
-def complete_checkpoints(root) -> list:
-    """`step-N` directories holding their COMPLETE marker, oldest first; `.tmp-*` and unmarked ones
-    (a killed writer) are not checkpoints."""
-    steps = (d for d in Path(root).glob("step-*") if d.name[5:].isdigit())
-    return sorted((d for d in steps if (d / "COMPLETE").is_file()), key=lambda d: int(d.name[5:]))
-
-def latest_checkpoint(root):
-    return (complete_checkpoints(root) or [None])[-1]
-
 def prune_done(state):
     """Move done_below past the ids done, keeping done_ids to the ids above it."""
     while state.done_below in state.done_ids:
@@ -709,7 +702,7 @@ def save_checkpoint(state, cfg, tokenizer=None) -> Path:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         _fsync(root)
-        for d in complete_checkpoints(root)[:-cfg.trainer.keep_checkpoints]:
+        for d in rundir.complete_checkpoints(root)[:-cfg.trainer.keep_checkpoints]:
             shutil.rmtree(d, ignore_errors=True)
     barrier()  # sync: nobody reads checkpoints or exits before the rename
     return final
@@ -730,6 +723,7 @@ def pull_samples(sock, pending, state, vocab_size, group_size, n, seconds: float
             return waited + time.time() - t0
         waited, first = waited + time.time() - t0, False
         frames = sock.recv_multipart()
+        state.heard = time.time()
         try:
             if len(frames) == 1:  # a tick: where the verifier's forwards stand
                 header, _ = common.decode(frames, "tick")
@@ -817,6 +811,18 @@ def take_batch(sock, pending, want, size, state, cfg, addr, vocab_size, ledger=N
         waited += pull_samples(sock, pending, state, vocab_size, gs, want // world(), seconds)
         seconds = 0.2
         state.progress.made()  # waiting for samples is waiting on the verifier, not hung
+        now, quiet_since, hb = time.time(), max(state.heard, since), cfg.run.heartbeat_timeout_s
+        if now - quiet_since > hb and now - state.redialed > hb:
+            # A live verifier ticks every 0.5 s: a connection that brings nothing may be to no one
+            # (zmq reconnects only a connection it sees closed). A message lost by this is a
+            # group lost on the way (`whole_groups`).
+            if state.redialed < quiet_since:  # said once a silence
+                print(f"[trainer] rank {rank()}: nothing from {addr} for {hb:g} s "
+                      "(run.heartbeat_timeout_s), not even a tick; connecting again until it "
+                      "hears", flush=True)
+            sock.disconnect(addr)
+            sock.connect(addr)
+            state.redialed = now
         # sync: every rank's groups to every rank
         mine = group_table(pending, state)
         tables = all_gather_ints(mine, device) if world() > 1 else [mine]
@@ -855,19 +861,6 @@ def report(ledger, state, trained: list, lost: list):
     state.done_ids |= set(reply["dropped"]) | {group_id for _, group_id in trained}
     state.ends = reply["forwards"]
 
-def write_samples(cfg, state, samples):
-    """This rank's samples of the step, for scripts/check_run.py and the figures: per sample its
-    group, index and ticket, its tokens' versions run-length encoded ([[version, tokens]])."""
-    rle = [[[v, len(list(g))] for v, g in groupby(s["versions"].tolist())] for s in samples]
-    name = "samples_trainer.jsonl" if is_main() else f"samples_trainer.rank{rank()}.jsonl"
-    with open(cfg.run_dir / name, "a") as f:
-        f.write(json.dumps({"step": state.step, "trainer_version": state.step - 1,
-                            "epoch": state.epoch, "rank": rank(),
-                            "group_ids": [int(s["group_id"]) for s in samples],
-                            "sample_idx": [int(s["sample_idx"]) for s in samples],
-                            "tickets": [int(s["ticket"]) for s in samples],
-                            "version_runs": rle}) + "\n")
-
 # --- main -----------------------------------------------------------------------------------------
 
 def main():
@@ -888,7 +881,7 @@ def main():
     store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
 
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
-    ckpt = latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
+    ckpt = rundir.latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
     state = build_state(cfg, device, ckpt)
     state.events = common.Events(cfg.run_dir, f"trainer{rank()}", cfg.run.trace)
     state.progress = elastic.Progress(cfg, f"trainer rank {rank()} (pid {os.getpid()})")
@@ -962,7 +955,7 @@ def main():
         t_prev = now
         if is_main():
             common.log("trainer", metrics, state.step)  # every step: the figures read each one
-        write_samples(cfg, state, samples)
+        rundir.append_samples(cfg.run_dir, rank(), state.step, state.epoch, samples)
         if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
             save_checkpoint(state, cfg, tokenizer)
 

@@ -113,7 +113,7 @@ async def engine_sender(engine, bucket_mb):
     th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 120, "weights/1")))
     th.start()  # init_group blocks until the worker joins, which the RPCs below make happen
     await engine.collective_rpc("init_weights_sync", args=("127.0.0.1", store.port, 120, "engine-bench"))
-    await engine.collective_rpc("join_weight_group", args=(1, 1, 2, 120))
+    await engine.collective_rpc("join_roster", args=(1, 1, 2, 120))
     th.join()
     return ws.WeightSender(store, box["pg"], bucket_mb)
 

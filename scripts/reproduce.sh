@@ -9,7 +9,7 @@
 # --task longtail: the same comparison on the long-tailed task (configs/longtail.yaml: a few completions
 # many times longer than most, the workload the paper is about), with conventional RL tuned over
 # G_steps 2, 4, 8, 16 x actor.max_inflight 64, 256 and the whole RL step's batch at once (B*G_steps);
-# runs under runs/repro-longtail, figures in docs/figures/longtail, 900 s a run by default (~4.5 h in all:
+# runs under runs/repro-longtail, figures in runs/repro-longtail/figures, 900 s a run by default (~4.5 h in all:
 # finished runs are kept, so the matrix can be built over several sittings).
 #
 # The matrix (same trainer.batch_size B and trainer.lr, same seeds, one run at a time):
@@ -38,7 +38,8 @@
 # directory with DONE is kept (skipped, and plotted with the others) unless --force, which deletes it first;
 # one without DONE (a run interrupted or failed; or one made before DONE files: `touch DIR/DONE` keeps it)
 # is deleted and run again. Runs go to --root/<name>-s<seed> (default runs/repro; --quick:
-# runs/repro-quick); figures and summary.md to --out (default docs/figures; --quick: <root>/figures);
+# runs/repro-quick); figures and summary.md to --out (default <root>/figures: the committed docs/figures are
+# replaced only when asked, --out docs/figures);
 # --target R: the figures' target test reward (default: the best every run reached).
 # --dry-run prints the run.sh commands, and "# kept: DIR" for the runs kept, and exits (pass 2 as
 # "best conventional" placeholders).
@@ -73,7 +74,7 @@ COMMON=("trainer.batch_size=$B" "trainer.lr=$LR" "trainer.checkpoint_every=0")
 CONV=("configs/conventional.yaml" "actor.cpu_cores=0-1" "trainer.cpu_cores=0-1")
 TASK_ARGS=()  # first on every command line: a setting's own overrides win over the task's overlay
 if [[ "$TASK" == longtail ]]; then
-  ROOT="${ROOT:-runs/repro-longtail}"; FIG="${OUT:-docs/figures/longtail}"
+  ROOT="${ROOT:-runs/repro-longtail}"; FIG="${OUT:-$ROOT/figures}"
   RUN_S="${RUN_S:-900}"; STEPS="${STEPS:-3000}"; SEEDS="${SEEDS:-0 1 2}"
   TASK_ARGS=("configs/longtail.yaml")
   COMMON+=("actor.eval_every=16")
@@ -94,7 +95,7 @@ elif (( QUICK )); then
   PIPE="pipeline-H256|actor.max_inflight=256"
   TUNE=("conventional-G4-H256|${CONV[*]} actor.G_steps=4 actor.max_lag=3 actor.max_inflight=256")
 else
-  ROOT="${ROOT:-runs/repro}"; FIG="${OUT:-docs/figures}"
+  ROOT="${ROOT:-runs/repro}"; FIG="${OUT:-$ROOT/figures}"
   RUN_S="${RUN_S:-300}"; STEPS="${STEPS:-1000}"; SEEDS="${SEEDS:-0 1 2}"
   COMMON+=("actor.eval_every=16")   # a multiple of every G: conventional runs evaluate at the same versions
   PIPE="pipeline-H256|actor.max_inflight=256"

@@ -15,8 +15,12 @@ A run directory holds, among others (README, "What you will see"):
 
 Every file is JSONL that a process appends to and may be killed in the middle of a line: every
 reader here skips a torn line rather than fail on it. Imports nothing of the project, so that any
-script may import it without reaching another's code.
+script may import it without reaching another's code. The samples records' writer is here too
+(append_samples, called by trainer.py), beside their reader.
 
+    append_samples(...)           a trainer rank's record of one optimizer step's samples
+    complete_checkpoints(root)    the checkpoints a trainer may resume from, oldest first;
+    latest_checkpoint(root)       the newest of them (None: none)
     read_jsonl(path)              a whole file's records (metrics, eval, samples)
     read_events(path)             an events file's records: the same reader
     read_appended(path, offset)   complete records appended since a byte offset (to follow a run)
@@ -30,6 +34,7 @@ import contextlib
 import json
 import sys
 from collections import OrderedDict
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +51,31 @@ SHORT = {"max_inflight": "H", "G_steps": "G", "batch_size": "B"}
 
 
 # --- records of one file -------------------------------------------------------------------------
+
+
+
+def complete_checkpoints(root) -> list:
+    """`step-N` directories holding their COMPLETE marker, oldest first; `.tmp-*` and unmarked ones
+    (a killed writer) are not checkpoints."""
+    steps = (d for d in Path(root).glob("step-*") if d.name[5:].isdigit())
+    return sorted((d for d in steps if (d / "COMPLETE").is_file()), key=lambda d: int(d.name[5:]))
+
+
+def latest_checkpoint(root):
+    return (complete_checkpoints(root) or [None])[-1]
+
+def append_samples(run_dir, rank: int, step: int, epoch: int, samples: list):
+    """Trainer rank `rank`'s samples of the optimizer step that made version `step`, for
+    scripts/check_run.py and the figures: per sample its group, index and ticket, its tokens'
+    versions run-length encoded ([[version, tokens]])."""
+    rle = [[[int(v), len(list(g))] for v, g in groupby(s["versions"].tolist())] for s in samples]
+    name = "samples_trainer.jsonl" if rank == 0 else f"samples_trainer.rank{rank}.jsonl"
+    with open(Path(run_dir) / name, "a") as f:
+        f.write(json.dumps({"step": step, "trainer_version": step - 1, "epoch": epoch, "rank": rank,
+                            "group_ids": [int(s["group_id"]) for s in samples],
+                            "sample_idx": [int(s["sample_idx"]) for s in samples],
+                            "tickets": [int(s["ticket"]) for s in samples],
+                            "version_runs": rle}) + "\n")
 
 def read_jsonl(path) -> list:
     """Records of a JSONL file of a run directory (a missing file: none); a torn line (a killed

@@ -274,7 +274,8 @@ def test_reproduce_runs_chosen_settings_and_seeds(tmp_path):
     a = conv["actor"]
     assert (a["schedule"], a["G_steps"], a["max_lag"], a["max_inflight"]) == ("conventional", 8, 7, 1024)
     assert a["cpu_cores"] == conv["trainer"]["cpu_cores"] == "0-1"
-    assert out.stdout.splitlines()[-1].endswith(f"plot.py {tmp_path}/*/ --out docs/figures/longtail --target 0.459")
+    # the figures go under the runs' root unless --out says otherwise: never over the committed ones
+    assert out.stdout.splitlines()[-1].endswith(f"plot.py {tmp_path}/*/ --out {tmp_path}/figures --target 0.459")
     (tmp_path / "pipeline-default-s1").mkdir()
     (tmp_path / "pipeline-default-s1" / "DONE").touch()
     assert f"# kept: {tmp_path}/pipeline-default-s1\n" in run("pipeline-default:1").stdout

@@ -50,6 +50,12 @@ class Recorded:
     def poll(self, *args):
         return self.sock.poll(*args)
 
+    def disconnect(self, addr):
+        self.sock.disconnect(addr)
+
+    def connect(self, addr):
+        self.sock.connect(addr)
+
     def recv_multipart(self):
         frames = self.sock.recv_multipart()
         if len(frames) > 1:

@@ -116,7 +116,7 @@ def test_trainer_step_reaches_vllm(tmp_path, family, tied, redundant_head):
         th = threading.Thread(target=lambda: box.update(pg=ws.init_group(store, 0, 2, "gloo", 60, "weights/1")))
         th.start()
         run(loop, actor.init_sync(cfg, [engine]))
-        run(loop, actor.join_weight_group(cfg, [engine], 1, 1, 2))
+        run(loop, actor.join_roster(cfg, [engine], 1, 1, 2))
         th.join()
 
         # --- one real optimizer step, as trainer.py takes it (1 rank, no process group) ---

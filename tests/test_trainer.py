@@ -11,6 +11,7 @@ relative, and Adam divides by sqrt(v), so an element whose gradient nearly cance
 fraction of lr; measured max 1.1e-6. A real bug (a dropped micro-batch, a wrong normalizer, clipping or
 decay on the wrong elements) moves parameters by ~lr = 1e-3, 100x the tolerance.
 """
+import contextlib
 import functools
 import json
 import math
@@ -35,6 +36,7 @@ import elastic  # noqa: E402
 import loss  # noqa: E402
 import trainer  # noqa: E402
 from conftest import FakeActor, Owner, forkserver, free_port, read_jsonl  # noqa: E402
+from scripts import rundir  # noqa: E402
 
 torch.set_num_threads(1)
 LR, WD, TEMP, CLIP = 1e-3, 0.1, 0.7, 1.0
@@ -444,7 +446,7 @@ def _resume_worker(rank, world, port, tmp, batches):
         if i == 1:
             ckpt = trainer.save_checkpoint(state, cfg)
     uninterrupted = full_params(state)
-    resumed = trainer.build_state(cfg, CPU, ckpt=trainer.latest_checkpoint(Path(tmp) / "checkpoints"))
+    resumed = trainer.build_state(cfg, CPU, ckpt=rundir.latest_checkpoint(Path(tmp) / "checkpoints"))
     assert resumed.step == 2 and ckpt.name == "step-2"
     trainer.train_step(resumed, _share(batches[2], world, rank), cfg)
     if rank == 0:
@@ -475,8 +477,8 @@ def test_incomplete_checkpoints_are_ignored(tmp_path):
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / "COMPLETE").write_text("ok\n")
-    assert trainer.latest_checkpoint(root).name == "step-2"
-    assert trainer.latest_checkpoint(tmp_path / "nothing") is None
+    assert rundir.latest_checkpoint(root).name == "step-2"
+    assert rundir.latest_checkpoint(tmp_path / "nothing") is None
 
 
 # --- main() against a fake verifier and a fake actor, with the real ledger ------------------------------------
@@ -672,7 +674,9 @@ def test_a_lost_actor_leaves_the_roster_and_the_trainer_waits_for_another(tmp_pa
     without it and waits up to run.peer_timeout_s for samples; then it stops, non-zero, naming what it waited
     for."""
     model_dir, samples_port, push, stop = _model_and_socket(tmp_path)
-    owner = Owner(tmp_path, "run.heartbeat_timeout_s=2", "run.peer_timeout_s=160")
+    # (the shortest peer timeout the timing check allows: it must exceed hang_timeout_s + restart_s)
+    owner = Owner(tmp_path, "run.heartbeat_timeout_s=2", "run.peer_timeout_s=12", "run.hang_timeout_s=5",
+                  "run.restart_s=5")
     proc = _launch(tmp_path, model_dir, 1, owner, samples_port, "trainer.max_steps=200")
     dying = mp.get_context("spawn").Process(target=_dying_actor, args=(owner.overrides,))
     dying.start()
@@ -711,6 +715,48 @@ def test_the_roster_follows_the_actors_the_ledger_counts_alive(tmp_path):
         server.close("done")
     finally:
         owner.close()
+
+
+def test_a_connection_that_brings_nothing_is_made_again(tmp_path):
+    """The verifier the rank is connected to stops listening but keeps the connection open, and a new one
+    binds the same address: zmq never reconnects a connection it does not see closed. After
+    run.heartbeat_timeout_s with not even a tick, the rank connects again and trains the new one's group.
+    Before, it waited on the silent connection until run.peer_timeout_s (a chaos run stood still 332 s after
+    the verifier and the actor were killed at once, hearing nothing from the restarted verifier)."""
+    import zmq
+    from types import SimpleNamespace
+    from test_lost_samples import G, VOCAB, _samples
+    ctx, addr = zmq.Context.instance(), f"tcp://127.0.0.1:{free_port()}"
+    old = ctx.socket(zmq.PUSH)
+    old.bind(addr)
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    assert old.poll(10_000, zmq.POLLOUT)  # connected
+    old.unbind(addr)  # no listener now; the connection stays, silent
+    new = ctx.socket(zmq.PUSH)
+    for _ in range(100):  # (the unbind ends in zmq's I/O thread)
+        with contextlib.suppress(zmq.ZMQError):
+            new.bind(addr)
+            break
+        time.sleep(0.05)
+
+    def verifier():  # its one group, once a rank is connected to it
+        if new.poll(30_000, zmq.POLLOUT):
+            for frames in _samples(ticket=7, group_id=3, order=0, verifier=1, epoch=0):
+                new.send_multipart(frames)
+    th = threading.Thread(target=verifier)
+    th.start()
+    state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=CPU))
+    cfg = make_cfg(tmp_path, **{"run.heartbeat_timeout_s": 1, "run.peer_timeout_s": 20, "run.hang_timeout_s": 5,
+                                "run.restart_s": 1, "actor.group_size": G})
+    try:
+        batch, _, groups = trainer.take_batch(sock, [], G, G, state, cfg, addr, VOCAB)
+    finally:
+        th.join()
+        for s in (sock, old, new):
+            s.close(linger=0)
+    assert groups == [(7, 3)] and sorted(s["sample_idx"] for s in batch) == list(range(G))
 
 
 def test_waiting_for_samples_times_out_naming_the_verifier(tmp_path):

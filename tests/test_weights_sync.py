@@ -199,7 +199,7 @@ def test_the_first_broadcast_of_a_new_group_is_bounded_and_named():
     threading.Thread(target=silent, daemon=True).start()
     with pytest.raises(RuntimeError) as err:
         ws.init_group(store, 0, 2, "gloo", timeout_s=3)
-    assert "the weight group's first broadcast (rank 0 of 2" in str(err.value)
+    assert "the weight roster's first broadcast (rank 0 of 2" in str(err.value)
     assert f"store at 127.0.0.1:{store.port}: sync.host:sync.port" in str(err.value)
 
 
