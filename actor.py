@@ -38,7 +38,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -48,119 +47,15 @@ import torch.distributed
 import common
 import elastic
 import weights_sync as ws
+from scripts import engine_setup, telemetry
 from tasks import format_prompt, load_tasks
 
-# --- engines --------------------------------------------------------------------------------------
+# --- engines (built and started by scripts/engine_setup.py) ---------------------------------------
 
 # Training requests first: an evaluation request waits while a training one can be scheduled, and
 # is the first preempted when the KV cache runs out (vLLM's priority scheduling: lower runs first).
 TRAINING_PRIORITY = 0
 EVAL_PRIORITY = 1
-
-def engine_args(cfg, proc_index: int = 0, device_ids: list = None, engine: int = 0):
-    """vLLM settings that matter for RL (docs/DESIGN.md, "Known traps", vLLM 0.32);
-    device_ids: the engine's GPUs, as indices into those CUDA_VISIBLE_DEVICES names; engine: its
-    index in this process."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    on_gpu = torch.cuda.is_available()
-    # slots: training, evaluation, and one for the weight check's probe (Actor.verify), which would
-    # otherwise wait for a sequence to finish whenever training fills the engine
-    seqs = cfg.actor.max_inflight + eval_slots(cfg, proc_index) + 1
-    memory = ({"tensor_parallel_size": cfg.actor.tp,
-               "gpu_memory_utilization": cfg.actor.gpu_memory_utilization} if on_gpu
-              else {"kv_cache_memory_bytes": int(cfg.actor.kv_cache_gb * 2**30)})
-    return AsyncEngineArgs(
-        model=cfg.model_path, dtype=cfg.compute_dtype(on_gpu),
-        seed=engine_seed(cfg, proc_index, engine),
-        # CPU: eager is what works; GPU: CUDA graphs
-        enforce_eager=not on_gpu,
-        # a group shares its prompt: no KV computed by old weights
-        enable_prefix_caching=False,
-        # per-token stats and env look-ups cost the front-end's CPU, which the engine needs
-        disable_log_stats=True,
-        # logprobs of the distribution actually sampled (T, top-p)
-        logprobs_mode="processed_logprobs",
-        # ignore the checkpoint's sampling defaults (e.g. repetition penalty)
-        generation_config="vllm",
-        scheduling_policy="priority",
-        # tp > 1: workers in processes of their own, whose RPCs time out after sync.timeout_s (vLLM
-        # would pick Ray where a Ray placement group exists); tp = 1: the worker runs in the engine
-        # core, where the weight roster's own timeouts bound an update
-        distributed_executor_backend="mp" if cfg.actor.tp > 1 else None,
-        # CPU: a step's token budget (vLLM's default there: 2048) must hold one token a sequence
-        max_num_seqs=seqs, max_num_batched_tokens=None if on_gpu else max(2048, seqs),
-        worker_extension_cls="weights_sync.WeightUpdateExtension", device_ids=device_ids, **memory)
-
-def engine_seed(cfg, proc_index: int, engine: int) -> int:
-    """Each engine's sampling seed, a function of run.seed, its process and its index there. vLLM
-    draws a request's sampling noise from a generator seeded by the engine's seed (GPU: a seed per
-    request from it; CPU: the global one), so the k-th request of two engines seeded alike draws the
-    same noise: a group's attempts spread over them would be duplicates."""
-    return int(np.random.SeedSequence([cfg.run.seed, proc_index, engine]).generate_state(1)[0])
-
-def eval_slots(cfg, proc_index: int = 0) -> int:
-    """Engine slots for evaluation requests, on top of the H training sequences
-    (simplification 3)."""
-    return max(1, cfg.actor.max_inflight // 4) if cfg.actor.eval_every and proc_index == 0 else 0
-
-def start_engines(cfg, proc_index: int = 0) -> list:
-    """actor.engines AsyncLLMs, each on its own actor.tp GPUs (CPU: all on actor.cpu_cores)."""
-    # vLLM's workers import weights_sync (worker_extension_cls) by name
-    paths = [str(common.REPO), os.environ.get("PYTHONPATH")]
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    if not torch.cuda.is_available():
-        # one OMP thread per listed core
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.actor.cpu_cores
-        # The model runs in the engine-core process: a worker process beside it (the mp executor)
-        # costs start-up time and a busy-waited hand-off per decode step. That process is spawned
-        # on actor.cpu_cores; this one (request intake, outputs, the loop) then moves to the other
-        # cores, if any, so as not to take turns with the decode steps. AsyncLLM still runs its
-        # engine core apart.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # Eager anyway; but the sampler's token-rank helper is torch.compile'd: inductor builds C++
-        # on the first step and dynamo guards run on every step.
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-        allowed = os.sched_getaffinity(0)
-        engine_cores = common.cpu_set(cfg.actor.cpu_cores)
-        # the start threads inherit it, and the engine processes from them
-        os.sched_setaffinity(0, engine_cores)
-        try:
-            return start_at_once(cfg, proc_index, [None] * cfg.actor.engines)
-        finally:
-            os.sched_setaffinity(0, (allowed - engine_cores) or allowed)
-    # actor.gpus holds physical ids (run.sh: the ids it sets CUDA_VISIBLE_DEVICES to)
-    visible = (os.environ.get("CUDA_VISIBLE_DEVICES")
-               or ",".join(map(str, range(torch.cuda.device_count())))).split(",")
-    return start_at_once(cfg, proc_index, engine_devices(cfg, visible))
-
-def engine_devices(cfg, visible: list) -> list:
-    """Each engine's GPUs as indices into `visible` (the CUDA_VISIBLE_DEVICES names): engine e takes
-    GPUs e*tp..(e+1)*tp-1 of actor.gpus (empty: the first visible ones). The set is checked as
-    run.sh checks it (common.gpu_set): too few would hand vLLM an empty device list, which it reads as
-    "no choice" (device 0)."""
-    gpus, tp = common.gpu_set(cfg, "actor", visible), cfg.actor.tp
-    return [[visible.index(g) for g in gpus[e * tp:(e + 1) * tp]] for e in range(cfg.actor.engines)]
-
-def start_at_once(cfg, proc_index: int, devices: list) -> list:
-    """One engine per entry of `devices`, started concurrently: each loads its model and, on GPU,
-    captures its CUDA graphs (minutes on a GPU node). Per-engine device_ids (vLLM's --device-ids)
-    make this possible: CUDA_VISIBLE_DEVICES, one value per process, forced one start at a time."""
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    def start(e: int):
-        t0 = time.time()
-        # line and newline in one write: print's two writes from two threads can interleave
-        print(f"[actor] engine {e}: starting\n", end="", flush=True)
-        engine = AsyncLLM.from_engine_args(engine_args(cfg, proc_index, devices[e], e))
-        # vLLM's V1 model runner on CPU (V2 needs Triton); V2 by default on GPU, where
-        # VLLM_USE_V2_MODEL_RUNNER=0 is the fallback (docs/DESIGN.md, "Engines on GPU")
-        runner = "V2" if engine.vllm_config.use_v2_model_runner else "V1"
-        up = f"up in {time.time() - t0:.0f} s (vLLM's {runner} model runner)"
-        print(f"[actor] engine {e}: {up}\n", end="", flush=True)
-        return engine
-
-    with ThreadPoolExecutor(len(devices)) as pool:
-        return list(pool.map(start, range(len(devices))))
 
 async def init_sync(cfg, engines, proc_index: int = 0, store=None):
     """Once the engines are up: each worker ready for weight updates (WeightUpdateExtension), its
@@ -397,7 +292,7 @@ class Actor:
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(common.zmq_addr(cfg.ports.host, cfg.ports.rollouts))
         self.pushing = asyncio.Lock()  # a group's attempts go out back to back
-        self.ledger = elastic.Client(cfg, store)
+        self.ledger = common.LedgerClient(cfg, store)
         self.asked = 0.0  # when the ledger was last asked (`admit_groups`)
         # what the next request reports: groups pushed [ticket, verifier], dropped [ticket, why]
         self.reports = {"pushed": [], "drop": []}
@@ -416,7 +311,7 @@ class Actor:
         self.last_log = time.time() - cfg.run.log_every
         self.blocked = False
         self.blocked_at_log = 0.0
-        self.events = common.Events(cfg.run_dir, f"actor{proc_index}", cfg.run.trace)
+        self.events = telemetry.Events(cfg.run_dir, f"actor{proc_index}", cfg.run.trace)
         # what holds admission now ("lag", "rl_step": budgets; or "capacity"), and since when
         self.admission, self.admission_since = None, time.time()
 
@@ -646,7 +541,7 @@ class Actor:
     async def _evaluation(self, version):
         params = sampling_params(self.cfg, self.cfg.actor.eval_temperature)
         # the engine slots set aside for evaluation
-        slots = asyncio.Semaphore(eval_slots(self.cfg))
+        slots = asyncio.Semaphore(engine_setup.eval_slots(self.cfg))
 
         async def attempt(i, problem):
             async with slots:
@@ -781,7 +676,7 @@ class Actor:
             return float(get(name).mean()) if name in st.window else empty
         # [tokens pushed in this window]: one array per training sample
         lags = np.concatenate(st.window.get("lags", []) + [np.zeros(0, np.int32)])
-        common.log("actor", {
+        telemetry.log("actor", {
             "tokens_per_s": len(lags) / dt, "samples_per_s": len(st.window.get("lags", [])) / dt,
             "engine_tokens_per_s": get("engine_tokens").sum() / dt,
             "inflight": st.inflight, "version": st.version, "updates": st.updates,
@@ -819,7 +714,7 @@ NO_TRAINER, HUNG = 2, 4
 async def amain(cfg, store) -> int:
     proc_index = int(os.environ.get("ACTOR_PROC_INDEX", "0"))
     try:
-        engines, stop = start_engines(cfg, proc_index), asyncio.Event()
+        engines, stop = engine_setup.start_engines(cfg, proc_index), asyncio.Event()
     except common.ConfigError as e:  # actor.gpus, when actor.py is started alone
         sys.exit(f"config error: {e}")
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -849,7 +744,7 @@ async def amain(cfg, store) -> int:
 def main(argv=None):
     torch.set_num_threads(1)  # the actor process only orchestrates; vLLM's workers own the cores
     cfg = common.parse_argv(argv)
-    common.setup_logging(cfg, "actor")
+    telemetry.setup_logging(cfg, "actor")
     # Import vLLM before any engine exists: tracebacks it keeps from optional imports hold the
     # importing frames, which would keep the engines alive until interpreter teardown (a spurious
     # __del__ error).

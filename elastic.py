@@ -11,12 +11,14 @@ Who owns what. One process, started first on node 0 and never started again (its
 run: run.sh stops every node), owns the run's TCPStore (the weight rosters' rendezvous and the
 announcements, weights_sync.py), the ledger (section 2) and node 0's watchdog (section 3):
 `python elastic.py [k=v ...]`. Every other node runs its own watchdog: `python elastic.py watch`.
-The roles reach the ledger at a few named points of their loops (`Client.request`): the actor to
-say hello and to ask for tickets, the verifier to forward or drop groups, trainer rank 0 to say
-hello, to report the groups it trained or lost on the way, and (its weight sender) to learn which
-actors are alive. docs/DESIGN.md, "The fault layer", gives the invariants and their proofs.
+The roles reach the ledger at a few named points of their loops (common.LedgerClient; the
+requests are typed and parsed in one place, common.REQUESTS): the actor to say hello and to ask for
+tickets, the verifier to forward or drop groups, trainer rank 0 to say hello, to report the groups
+it trained or lost on the way, and (its weight sender) to learn which actors are alive.
+docs/DESIGN.md, "The fault layer", gives the invariants and their proofs.
 
-Sections, in the order a run needs them: 1. requests; 2. the ledger; 3. liveness; 4. the process.
+Sections, in the order a run needs them: 1. the store's death; 2. the ledger; 3. liveness; 4. the
+process.
 """
 import contextlib
 import heapq
@@ -33,63 +35,15 @@ from torch.distributed.elastic.timer import FileTimerClient, FileTimerServer
 
 import common
 import weights_sync as ws
+from scripts import rundir
 
-# --- 1. requests: one request, one reply, typed and parsed here ----------------------------------
-# Invariant: a request the ledger acts on has every field of its kind, of its type; any other is
-# refused whole (its sender gets {"error": ...} and raises), never half applied.
-
-REQUESTS = {
-    "actor_hello": {"pid": int, "host": str},
-    # pushed: [[ticket, verifier incarnation it was pushed to]]; drop: [[ticket, why]]
-    "tickets": {"inc": int, "epoch": int, "version": int, "want": int, "pushed": list, "drop": list},
-    "verifier_hello": {},
-    "forward": {"verifier": int, "forward": list, "drop": list},
-    # the checkpoint resumed from: its step, epoch, and the group ids done (trained or dropped); the
-    # budget's terms as this trainer trains: batch_size, group_size, max_lag, schedule, G_steps
-    "trainer_hello": {"epoch": int, "step": int, "done_below": int, "done_above": list,
-                      "budget": dict},
-    # trained: tickets trained by the step that made `version`; lost: [[verifier, order]] of the
-    # forwarded groups the ranks found lost on the way (trainer.whole_groups)
-    "report": {"epoch": int, "version": int, "trained": list, "lost": list},
-    "members": {},
-    "lost": {"inc": int, "why": str},
-}
+# --- 1. the store: its death ends every role ------------------------------------------------------
+# Invariant: a role that finds the run's store gone (this process) says so in one line and exits
+# with STORE_LOST; run.sh then stops its node's roles. Owns: nothing.
 
 # a role's exit status when the run's store (this file's process) went away: run.sh then stops
 # the node's roles
 STORE_LOST = 3
-
-
-def parse(frame: bytes) -> tuple:
-    """A request's bytes -> (kind, fields), else ValueError naming what is wrong."""
-    request = json.loads(frame)
-    kind = request.get("op") if isinstance(request, dict) else None
-    if kind not in REQUESTS:
-        raise ValueError(f"unknown request {kind!r}")
-    for key, typ in REQUESTS[kind].items():
-        value = request.get(key)
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise ValueError(f"{kind}: field {key!r} should be {typ.__name__}, got {value!r}")
-    return kind, request
-
-
-class Client:
-    """A role's line to the ledger (ZMQ REQ; one per thread). A reply is waited for while the run's
-    store answers, looked at every second: the store gone raises DistNetworkError (`store_lost`)."""
-
-    def __init__(self, cfg, store):
-        self.sock, self.store = zmq.Context.instance().socket(zmq.REQ), store
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(common.zmq_addr(cfg.ports.host, cfg.ports.ledger))
-
-    def request(self, kind: str, **fields) -> dict:
-        self.sock.send(json.dumps({"op": kind, **fields}).encode())
-        while not self.sock.poll(1000):
-            self.store.check(["announced"])  # DistNetworkError: the store went away
-        reply = json.loads(self.sock.recv())
-        if "error" in reply:
-            raise RuntimeError(f"the ledger refused a request: {reply['error']}")
-        return reply
 
 
 async def unless_store_lost(store, awaitable):
@@ -140,7 +94,7 @@ class Ledger:
         self.cfg, path = cfg, cfg.run_dir / "ledger.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         # numbering goes on from a resumed run's journal: a ticket, an incarnation, an epoch once
-        top = journal_maxima(path)
+        top = rundir.journal_maxima(path)
         self.journal = open(path, "a", buffering=1)
         self.next_ticket, self.next_inc = top["ticket"] + 1, top["inc"] + 1
         self.verifier, self.epoch = top["verifier"], top["epoch"]
@@ -157,7 +111,7 @@ class Ledger:
 
     def handle(self, frame: bytes) -> dict:
         try:
-            kind, request = parse(frame)
+            kind, request = common.parse_request(frame)
             return getattr(self, kind)(request)
         except (ValueError, KeyError, TypeError) as e:
             return {"error": f"{type(e).__name__}: {e}"}
@@ -344,16 +298,6 @@ class Ledger:
             if now - seen > limit:
                 self.lose(inc, f"silent for {limit:.0f} s (run.heartbeat_timeout_s)")
 
-
-def journal_maxima(path) -> dict:
-    """The largest ticket, actor and verifier incarnation and epoch a journal names (0: none)."""
-    top = dict.fromkeys(["ticket", "inc", "verifier", "epoch"], 0)
-    for line in open(path) if os.path.exists(path) else ():
-        with contextlib.suppress(ValueError):  # a line torn by a kill
-            record = json.loads(line)
-            for key in top:
-                top[key] = max(top[key], record.get(key, 0))
-    return top
 
 # --- 3. liveness: each node's watchdog (torch.distributed.elastic.timer) --------------------------
 # Invariant: a role process that makes no progress for run.hang_timeout_s (a SIGSTOPped one too) is

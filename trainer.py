@@ -37,14 +37,11 @@ import functools
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -55,53 +52,12 @@ import common
 import elastic
 import loss
 import weights_sync
-from scripts import rundir
+from scripts import checkpoints, rundir, telemetry
+from scripts.ranks import all_gather_ints, all_max, all_reduce, init_distributed, is_main, rank, world
 
 # torch 2.13 marks the two collectives FSDP needs as deprecated (their successors don't exist in
 # older torch).
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.")
-
-# --- distributed ----------------------------------------------------------------------------------
-
-def init_distributed(timeout_s: float = 1800.0) -> torch.device:
-    """torchrun env -> the trainer's process group (NCCL on GPU, gloo on CPU) and this rank's
-    device."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-def world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-def is_main() -> bool:
-    return rank() == 0
-
-def all_reduce(t, op=dist.ReduceOp.SUM):
-    if world() > 1:
-        dist.all_reduce(t, op=op)
-    return t
-
-def all_max(values: list, device, dtype=None) -> list:
-    """The element-wise maxima of `values` over all ranks (sync: one all-reduce)."""
-    return all_reduce(torch.tensor(values, dtype=dtype, device=device), dist.ReduceOp.MAX).tolist()
-
-def all_gather_ints(values: list, device) -> list:
-    """Every rank's list of non-negative ints, in rank order (sync: two all-reduces)."""
-    n = all_max([len(values)], device)[0]
-    # row r: rank r's values, -1 elsewhere, so that the maximum over ranks fills every row
-    rows = torch.full((world(), n), -1, dtype=torch.int64, device=device)
-    rows[rank(), :len(values)] = torch.tensor(values, dtype=torch.int64)
-    return [[i for i in row.tolist() if i >= 0] for row in all_reduce(rows, dist.ReduceOp.MAX)]
-
-def barrier():
-    if world() > 1:
-        dist.barrier()
 
 # --- FSDP -----------------------------------------------------------------------------------------
 # Forward: a unit's wrapped forward all-gathers its shards into a flat compute-dtype buffer
@@ -411,7 +367,7 @@ class TrainState:
     ends: list = field(default_factory=list)
     sent: int = -1  # the newest version broadcast to the actors (send_weights)
     # this rank's timeline (main sets it; run.trace): a disabled one records nothing
-    events: common.Events = field(default_factory=lambda: common.Events(".", "none", on=False))
+    events: telemetry.Events = field(default_factory=lambda: telemetry.Events(".", "none", on=False))
     # this rank's watchdog timer (main sets it): made at every micro-batch, wait and unit saved
     progress: elastic.Progress = field(default_factory=elastic.Progress)
 
@@ -428,17 +384,7 @@ def build_state(cfg, device, ckpt=None, model=None) -> TrainState:
     state = TrainState(model, FSDP(model, device, dtype, tc.activation_checkpointing, tc.prefetch,
                                    getattr(torch, tc.reduce_dtype)))
     if ckpt is not None:
-        meta = json.loads((Path(ckpt) / "trainer_state.json").read_text())
-        ranks = [rank()] if meta["world_size"] == world() else range(meta["world_size"])
-        sds = [torch.load(Path(ckpt) / f"optim-rank{r}.pt", weights_only=True) for r in ranks]
-        state.fsdp.load_state_dict(sds)
-        if meta["world_size"] == world():  # same ranks: each continues its own random stream
-            torch.set_rng_state(sds[0]["rng_cpu"])
-            if device.type == "cuda":
-                torch.cuda.set_rng_state(sds[0]["rng_cuda"])
-        for key in ("step", "samples", "skipped", "epoch", "done_below"):  # saved under their names
-            setattr(state, key, meta[key])
-        state.done_ids = set(meta["done_above"])
+        checkpoints.restore(state, ckpt)
     return state
 
 def pack_micro_batches(samples, micro_batch_tokens):
@@ -643,70 +589,6 @@ def weights_owed(step: int, sent: int, max_lag: int) -> bool:
     (with max_lag=0: after one)."""
     return step > sent + max_lag
 
-def _fsync(path):  # files and directories alike
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-
-def prune_done(state):
-    """Move done_below past the ids done, keeping done_ids to the ids above it."""
-    while state.done_below in state.done_ids:
-        state.done_ids.discard(state.done_below)
-        state.done_below += 1
-
-def save_checkpoint(state, cfg, tokenizer=None) -> Path:
-    """Atomic: everything goes into .tmp-step-N; COMPLETE is written last, then the directory is
-    renamed."""
-    from safetensors.torch import save_file
-    prune_done(state)  # rank 0's: a resumed trainer's ledger grants the others again first
-    root = cfg.run_dir / "checkpoints"
-    final, tmp = root / f"step-{state.step}", root / f".tmp-step-{state.step}"
-    if is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()  # sync: the directory exists before any rank writes into it
-    optim = tmp / f"optim-rank{rank()}.pt"
-    rng = {"rng_cuda": torch.cuda.get_rng_state()} if state.fsdp.device.type == "cuda" else {}
-    torch.save({**state.fsdp.state_dict(), "rng_cpu": torch.get_rng_state(), **rng,
-                "step": state.step}, optim)
-    _fsync(optim)
-    # The model: HF sharded safetensors, one file per unit, gathered one unit at a time (all ranks
-    # join).
-    weight_map, total = {}, 0
-    for i, tensors in enumerate(state.fsdp.full_units(torch.float32)):
-        state.progress.made()
-        if is_main():
-            fname = f"model-{i + 1:05d}-of-{len(state.fsdp.units):05d}.safetensors"
-            save_file({n: t.detach().cpu().clone() for n, t in tensors.items()}, tmp / fname,
-                      metadata={"format": "pt"})
-            weight_map.update({n: fname for n in tensors})
-            total += sum(t.nbytes for t in tensors.values())
-    if is_main():
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        state.model.config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        (tmp / "trainer_state.json").write_text(json.dumps(
-            {"step": state.step, "version": state.step, "done_below": state.done_below,
-             "done_above": sorted(state.done_ids),
-             "samples": state.samples, "skipped": state.skipped, "world_size": world(),
-             "epoch": state.epoch,
-             "time": time.time()}))
-    barrier()  # sync: every rank's optimizer shard is on disk before COMPLETE
-    if is_main():
-        for f in tmp.iterdir():
-            _fsync(f)
-        (tmp / "COMPLETE").write_text("ok\n")
-        _fsync(tmp / "COMPLETE")
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        _fsync(root)
-        for d in rundir.complete_checkpoints(root)[:-cfg.trainer.keep_checkpoints]:
-            shutil.rmtree(d, ignore_errors=True)
-    barrier()  # sync: nobody reads checkpoints or exits before the rename
-    return final
-
 # --- samples --------------------------------------------------------------------------------------
 
 def pull_samples(sock, pending, state, vocab_size, group_size, n, seconds: float) -> float:
@@ -874,7 +756,7 @@ def main():
         torch.set_num_threads(max(1, threads))
     torch.manual_seed(cfg.run.seed + rank())
     if is_main():
-        common.setup_logging(cfg, "trainer")
+        telemetry.setup_logging(cfg, "trainer")
 
     # The run's store (node 0's elastic.py, which run.sh starts before any role): announcements and
     # the weight rosters' rendezvous outlive a trainer that restarts; the ledger beside it.
@@ -883,7 +765,7 @@ def main():
     # --- model: HF weights or the latest checkpoint, sharded over the ranks ---
     ckpt = rundir.latest_checkpoint(cfg.run_dir / "checkpoints") if cfg.run.resume else None
     state = build_state(cfg, device, ckpt)
-    state.events = common.Events(cfg.run_dir, f"trainer{rank()}", cfg.run.trace)
+    state.events = telemetry.Events(cfg.run_dir, f"trainer{rank()}", cfg.run.trace)
     state.progress = elastic.Progress(cfg, f"trainer rank {rank()} (pid {os.getpid()})")
     tokenizer, src = None, ckpt or cfg.trainer.init_from or cfg.model_path
     if is_main():
@@ -898,8 +780,8 @@ def main():
     # --- this trainer's epoch (the ledger grants the ids its checkpoint lacks again first) ---
     server, ledger, first = None, None, []
     if is_main():
-        ledger = elastic.Client(cfg, store)
-        prune_done(state)
+        ledger = common.LedgerClient(cfg, store)
+        checkpoints.prune_done(state)
         budget = {"batch_size": cfg.trainer.batch_size, "group_size": cfg.actor.group_size,
                   "max_lag": cfg.actor.max_lag, "schedule": cfg.actor.schedule,
                   "G_steps": cfg.actor.G_steps}
@@ -913,7 +795,7 @@ def main():
     # --- weight roster (trainer rank 0 + every live actor's workers): this version first ---
     if is_main():
         server = weights_sync.WeightServer(cfg, state.step, device, state.epoch,
-                                           lambda: elastic.Client(cfg, store), state.progress)
+                                           lambda: common.LedgerClient(cfg, store), state.progress)
     send_weights(state, server, store, cfg, wait=True)
 
     # --- samples: each rank pulls its own share from the verifier ---
@@ -954,14 +836,14 @@ def main():
                        samples_total=state.samples, busy=1.0 - wait_s / (now - t_prev))
         t_prev = now
         if is_main():
-            common.log("trainer", metrics, state.step)  # every step: the figures read each one
+            telemetry.log("trainer", metrics, state.step)  # every step: the figures read each one
         rundir.append_samples(cfg.run_dir, rank(), state.step, state.epoch, samples)
         if cfg.trainer.checkpoint_every and state.step % cfg.trainer.checkpoint_every == 0:
-            save_checkpoint(state, cfg, tokenizer)
+            checkpoints.save(state, cfg, tokenizer)
 
     # --- end: final checkpoint (unless the last step just wrote it) and summary ---
     if not (cfg.run_dir / "checkpoints" / f"step-{state.step}" / "COMPLETE").is_file():
-        save_checkpoint(state, cfg, tokenizer)
+        checkpoints.save(state, cfg, tokenizer)
     if server is not None:
         server.close("done")  # after the newest weights; the actors exit 0 on it
     state.progress.release()  # (what follows is bounded: the actors' acknowledgements, 30 s)
@@ -971,7 +853,7 @@ def main():
         while store.add("done_ack", 0) < len(server.members) and time.time() < deadline:
             time.sleep(0.1)
     if is_main():
-        common.log("trainer", {"done": 1, "steps": state.step, "samples_total": state.samples,
+        telemetry.log("trainer", {"done": 1, "steps": state.step, "samples_total": state.samples,
                                "wall_s": time.time() - t_start, "malformed": state.malformed},
                    state.step)
     sock.close()

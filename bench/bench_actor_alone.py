@@ -9,7 +9,7 @@ denominator of "engine tokens/s inside a run / the same engine alone at the same
 
 Also prints the front-end's CPU time per 1k engine tokens (this process: request intake, outputs, the loop).
 --pin: the actor process on --cores with its engine (as run.sh did before the front-end moved off the
-engine's cores), else actor.start_engines' layout, as in a run: the engine process on --cores, the actor's
+engine's cores), else engine_setup.start_engines' layout, as in a run: the engine process on --cores, the actor's
 front-end on the other cores. Prints the mean of actor/engine_tokens_per_s over the last three quarters of
 the run (the first quarter warms up).
 Not a test: the number depends on the machine and on what else runs on it.
@@ -44,8 +44,9 @@ def main():
     import vllm.v1.engine.async_llm  # noqa: F401  (before any engine exists; see actor.main)
     import zmq
     import actor
+    from scripts import engine_setup
     import common
-    import elastic
+    from scripts import telemetry
     from scripts.rundir import read_events, read_jsonl
     import weights_sync as ws
     from safetensors.torch import load_file
@@ -57,7 +58,7 @@ def main():
                   f"actor.cpu_cores={args.cores}", "actor.eval_every=0", "actor.max_lag=100000",
                   "sync.verify_every=0", *args.overrides)
     cfg, store = owner.cfg, owner.store
-    common.setup_logging(cfg, "actor")
+    telemetry.setup_logging(cfg, "actor")
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.bind(common.zmq_addr("127.0.0.1", cfg.ports.rollouts))
     stop, got = threading.Event(), [0]
@@ -71,14 +72,14 @@ def main():
     sd = load_file(os.path.join(cfg.model_path, "model.safetensors"))
 
     async def run():
-        engine = actor.start_engines(cfg)[0]
+        engine = engine_setup.start_engines(cfg)[0]
         await actor.init_sync(cfg, [engine])
         # trainer rank 0's side: a trainer epoch whose (unbounded: max_lag) lag budget the ledger keeps;
         # its weight server takes the actor into a roster once it says hello and sends version 0
         epoch = owner.ledger.request("trainer_hello", epoch=0, step=0, done_below=0, done_above=[],
                                      budget=budget_of(cfg))["epoch"]
         server = ws.WeightServer(cfg, version=0, device=torch.device("cpu"), epoch=epoch,
-                                 ledger=lambda: elastic.Client(cfg, store))
+                                 ledger=lambda: common.LedgerClient(cfg, store))
         server.send(0, iter(sd.items()), wait=True)
         halt = asyncio.Event()
         task = asyncio.ensure_future(actor.run_actor(cfg, [engine], store, halt))

@@ -7,7 +7,7 @@ One offline engine in this process (vLLM's LLM with the model runner in-process,
 settings), the model's own checkpoint as the update. Prints medians of 20 loads:
   1. vLLM's general `reload_weights` (layerwise: rebuild each layer, rerun its post-load step; on CPU the
      oneDNN GEMM handles are packed again);
-  2. after weights_sync.unpack_cpu_weights: `model.load_weights`, in place (the actor's path);
+  2. after scripts/engine_setup.py, unpack_cpu_weights: `model.load_weights`, in place (the actor's path);
   3. (CPU) what re-creating the oneDNN handles after each in-place load would add;
 and the decode tokens/s of h sequences x 64 tokens with vLLM's packed kernels and with the unpacked
 ones (F.linear), and whether both sample the same completions (seeded).
@@ -41,14 +41,14 @@ def main():
     ap.add_argument("--h", type=int, default=64)
     ap.add_argument("--cores", default="0")
     args = ap.parse_args()
-    # the actor's CPU engine settings (actor.start_engines)
+    # the actor's CPU engine settings (engine_setup.start_engines)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", TORCHDYNAMO_DISABLE="1",
                       VLLM_CPU_OMP_THREADS_BIND=args.cores)
     import torch
     torch.set_num_threads(1)
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
-    import weights_sync as ws
+    from scripts import engine_setup
     from scripts.make_tiny_model import random_model_dir
     tmp = tempfile.mkdtemp()
     path = {"tiny": str(REPO / "assets/tiny-model")}.get(args.model, args.model)
@@ -59,7 +59,7 @@ def main():
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     model = worker.model_runner.get_model()
     sd = {}
-    for f in ws.checkpoint_files(path):
+    for f in engine_setup.checkpoint_files(path):
         sd.update(load_file(f))
     prompt = {"prompt_token_ids": llm.get_tokenizer()("12+34=\n")["input_ids"]}
     params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=1)
@@ -73,7 +73,7 @@ def main():
 
     packed_tps, packed_ids = decode()
     reload_ms = median_ms(lambda: worker.reload_weights(weights_iterator=iter(sd.items())))
-    ws.unpack_cpu_weights(model, path)
+    engine_setup.unpack_cpu_weights(model, path)
     in_place_ms = median_ms(lambda: model.load_weights(iter(sd.items())))
     plain_tps, plain_ids = decode()
     print(f"\n== {args.model}: {sum(t.numel() for t in sd.values()) / 1e6:.1f}M parameters, h={args.h}")

@@ -6,7 +6,7 @@ actor's path followed by its weight check (actor.verify_weights), side by side i
 Run: .venv/bin/python bench/bench_stall.py [--model tiny|30m] [--requests 32] [--tokens 200] [--every 4]
                                            [--recompute-kv]      (~1-2 min for tiny, ~4 min for 30m, 2 cores)
 
-One vLLM engine built exactly as actor.py builds it (actor.start_engines), a sender thread in this process
+One vLLM engine built exactly as actor.py builds it (engine_setup.start_engines), a sender thread in this process
 acting as trainer rank 0 (weights_sync.WeightSender over gloo, its broadcast posted before the update as
 the trainer's would be). Phase 1 generates N x T tokens without updates; phases 2 and 3 the same with an
 update after every `--every` tokens of one streamed request, which also measures the stall as generation
@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 import actor  # noqa: E402
 from bench_weights import engine_sender  # noqa: E402
 import common  # noqa: E402
+from scripts import engine_setup  # noqa: E402
 
 MODELS = {"tiny": {}, "30m": dict(hidden=512, layers=10, heads=8, kv_heads=4, intermediate=1536, max_pos=512)}
 PROMPTS = ["12+34=\n", "7+8=\n", "305+96=\n", "1+1=\n"]
@@ -100,7 +101,7 @@ async def run(args, model_dir, tmp):
     cfg = common.load_config([f"model.path={model_dir}", f"run.dir={tmp}", "actor.kv_cache_gb=1",
                               f"actor.max_inflight={args.requests}", f"actor.max_tokens={args.tokens}",
                               f"actor.cpu_cores={args.cpu_cores}", "actor.eval_every=0"])
-    engine = actor.start_engines(cfg)[0]
+    engine = engine_setup.start_engines(cfg)[0]
     from safetensors.torch import load_file
     sd = load_file(os.path.join(model_dir, "model.safetensors"))
     manifest = [(n, tuple(t.shape), t.dtype) for n, t in sd.items()]

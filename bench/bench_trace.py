@@ -6,8 +6,8 @@ with the trace on and off alike: run-to-run noise of +-10% hides a cost of a few
     .venv/bin/python bench/bench_trace.py RUN_DIR [RUN_DIR ...]
 
 For each events_<track>.jsonl of each run: records per second of the run, times the measured cost of
-one record (common.Events: a list append, a JSON line written once a second), plus, for the engine,
-the bookkeeping of every decode step (common.EngineTimeline.step: a few float
+one record (telemetry.Events: a list append, a JSON line written once a second), plus, for the engine,
+the bookkeeping of every decode step (telemetry.EngineTimeline.step: a few float
 additions per step, measured on a bare instance), as a fraction of one core's time. Prints one line
 per track and the largest fraction."""
 import os
@@ -17,15 +17,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
 from scripts.rundir import read_events  # noqa: E402
-from common import EngineTimeline, StepClock  # noqa: E402
+from scripts import telemetry  # noqa: E402
+from scripts.telemetry import EngineTimeline, StepClock  # noqa: E402
 
 
 def record_cost(n=200_000) -> float:
     """Seconds per Events.counter call, its share of the once-a-second write included."""
     with tempfile.TemporaryDirectory() as d:
-        events = common.Events(d, "bench", True)
+        events = telemetry.Events(d, "bench", True)
         t0 = time.perf_counter()
         for i in range(n):
             events.counter("engine", time.time(), busy=0.5, inflight=float(i), tokens_per_s=1.0)
@@ -39,7 +39,7 @@ def step_cost(n=200_000) -> float:
     """Seconds per decode step of the engine's bucket bookkeeping (EngineTimeline.step), records
     included."""
     with tempfile.TemporaryDirectory() as d:
-        events = common.Events(d, "engine-bench", True)
+        events = telemetry.Events(d, "engine-bench", True)
         timeline = EngineTimeline(events, StepClock(cuda=False))
         t0 = time.perf_counter()
         for i in range(n):

@@ -14,7 +14,7 @@ Checks (each independent; a failure is reported and the next check runs):
   fsdp_fp32_ac  the same with trainer.activation_checkpointing=true (re-gather in recomputation)
   fsdp_bf16     the same with bf16 compute (model.dtype auto on GPU): distance from the fp32 reference (< 3e-2)
   sender_stream the WeightServer broadcasts on its own stream: a training op is not queued behind it (GPU only)
-  step_clock    the engine's step clock (common.StepClock) times a queued kernel's run on the device,
+  step_clock    the engine's step clock (telemetry.StepClock) times a queued kernel's run on the device,
                 not its queueing (GPU only)
   weight_group_timeout  a weight group whose rank 1 never comes raises after sync.timeout_s, at init_group's
                 meeting in the store (NCCL itself would wait at the first broadcast for ever: H200, 2026-12-04)
@@ -50,6 +50,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import common  # noqa: E402
+from scripts import telemetry  # noqa: E402
 import trainer  # noqa: E402
 import weights_sync  # noqa: E402
 from conftest import free_port, receive_weights  # noqa: E402
@@ -176,12 +177,12 @@ def sender_stream():
 
 @check("step_clock")
 def step_clock():
-    """common.StepClock on CUDA times the device's work, not its queueing (the engine's busy
+    """telemetry.StepClock on CUDA times the device's work, not its queueing (the engine's busy
     fraction and update stall under vLLM's async scheduling): a sleep kernel queued between two marks
     reads as its own length, while the host spent microseconds queueing it."""
     if SMOKE:
         return {"skipped": True, "verdict": "CPU: the host's clock"}
-    clock = common.StepClock(cuda=True)
+    clock = telemetry.StepClock(cuda=True)
     t0 = time.perf_counter()
     start = clock.mark()
     torch.cuda._sleep(int(2e8))  # ~0.1 s of the GPU
@@ -200,10 +201,10 @@ def engine_runner() -> dict:
         import vllm  # noqa: F401
     except ImportError:
         return {}
-    import actor
+    from scripts import engine_setup
     from scripts.make_tiny_model import random_model_dir
     model_dir = random_model_dir(Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu_check-runner-{os.getpid()}")
-    config = actor.engine_args(common.load_config([f"model.path={model_dir}"])).create_engine_config()
+    config = engine_setup.engine_args(common.load_config([f"model.path={model_dir}"])).create_engine_config()
     return {"vllm": vllm.__version__, "model_runner": "V2" if config.use_v2_model_runner else "V1"}
 
 

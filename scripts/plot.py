@@ -360,7 +360,7 @@ def fig_timeline(conventional, pipeline, path):
     """The engine's occupancy h and tokens/s over one conventional RL step (between the ends of two
     weight updates mid-run; the one nearest the middle that no evaluation overlaps, if any: evaluation
     adds its own sequences to h) next to as many seconds of the PipelineRL run (mid-run), from the runs'
-    events files (common.Events: the engine's >= 0.25 s buckets), with the trainer's steps below and
+    events files (telemetry.Events: the engine's >= 0.25 s buckets), with the trainer's steps below and
     evaluation shaded. Both panels share their scales; each title gives the span's mean h and tokens/s.
     -> the spans drawn: conventional_start, span, pipeline_start (time.time() seconds)."""
     import matplotlib.pyplot as plt

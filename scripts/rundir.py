@@ -54,6 +54,17 @@ SHORT = {"max_inflight": "H", "G_steps": "G", "batch_size": "B"}
 
 
 
+def journal_maxima(path) -> dict:
+    """The largest ticket, actor and verifier incarnation and epoch a journal names (0: none)."""
+    top = dict.fromkeys(["ticket", "inc", "verifier", "epoch"], 0)
+    for line in open(path) if Path(path).exists() else ():
+        with contextlib.suppress(ValueError):  # a line torn by a kill
+            record = json.loads(line)
+            for key in top:
+                top[key] = max(top[key], record.get(key, 0))
+    return top
+
+
 def complete_checkpoints(root) -> list:
     """`step-N` directories holding their COMPLETE marker, oldest first; `.tmp-*` and unmarked ones
     (a killed writer) are not checkpoints."""

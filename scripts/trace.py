@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/trace.py RUN_DIR [-o OUT.json]      (default: RUN_DIR/trace.json)
 
-Reads the events files the roles append to (common.Events; the format is in docs/TRACE.md):
+Reads the events files the roles append to (telemetry.Events; the format is in docs/TRACE.md):
 events_actor<p>.jsonl, events_engine<p>-<e>.jsonl, events_verifier.jsonl, events_trainer<rank>.jsonl.
 One process (pid) per file; within it one thread (tid) per lane, the part of a span's name before
 "/" ("admission/lag" and "admission/capacity" share the row "admission"); spans become complete

@@ -68,7 +68,6 @@ class Owner:
     def __init__(self, run_dir, *overrides):
         import subprocess
         import common
-        import elastic
         import weights_sync
         self.run_dir = Path(run_dir)
         # (the test's actor speaks only when it asks for tickets: not counted lost for its silence)
@@ -79,7 +78,7 @@ class Owner:
         self.proc = subprocess.Popen([sys.executable, str(REPO / "elastic.py"), *self.overrides], cwd=REPO,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.store = weights_sync.create_store("127.0.0.1", self.cfg.sync.port, False, 60)
-        self.ledger = elastic.Client(self.cfg, self.store)
+        self.ledger = common.LedgerClient(self.cfg, self.store)
         self.inc, self.epoch = None, None
 
     def open_epoch(self, step=0):
@@ -109,14 +108,14 @@ class FakeActor:
 
     def __init__(self, cfg, timeout_s: float = 120):
         import threading
-        import elastic
+        import common
         import weights_sync
         self.cfg, self.timeout_s = cfg, timeout_s
         self.store = weights_sync.create_store("127.0.0.1", cfg.sync.port, False, timeout_s)
         self.updates, self.epoch, self.error, self.lost = [], None, None, False
         self.done = threading.Event()
         self.first = int(self.store.add("announced", 0)) + 1
-        self.inc = elastic.Client(cfg, self.store).request("actor_hello", pid=os.getpid(), host="fake")["inc"]
+        self.inc = common.LedgerClient(cfg, self.store).request("actor_hello", pid=os.getpid(), host="fake")["inc"]
         threading.Thread(target=self._beat, daemon=True).start()
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -126,9 +125,9 @@ class FakeActor:
 
     def _beat(self):
         import time
-        import elastic
+        import common
         import weights_sync
-        ledger = elastic.Client(self.cfg, weights_sync.create_store("127.0.0.1", self.cfg.sync.port, False,
+        ledger = common.LedgerClient(self.cfg, weights_sync.create_store("127.0.0.1", self.cfg.sync.port, False,
                                                                     self.timeout_s))
         while not self.done.is_set():
             reply = ledger.request("tickets", inc=self.inc, epoch=-1, version=-1, want=0, pushed=[], drop=[])

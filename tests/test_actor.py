@@ -25,8 +25,8 @@ from conftest import REPO, Owner, budget_of, free_port, fsdp_manifest, read_json
 
 import actor
 import common
-import elastic
 import weights_sync as ws
+from scripts import engine_setup, telemetry
 
 torch.set_num_threads(1)
 PROMPTS = ["12+34=\n", "7+8=\n", "305+96=\n", "1+1=\n"]
@@ -72,7 +72,7 @@ class FakeTrainer:
         # a connection of its own, as the trainer's: a rendezvous waiting on a shared one would hold
         # the actor's reads on it (a TCPStore client serves one call at a time)
         self.owner, self.store = owner, ws.create_store("127.0.0.1", owner.cfg.sync.port, False, 60)
-        self.ledger = elastic.Client(owner.cfg, self.store)
+        self.ledger = common.LedgerClient(owner.cfg, self.store)
         self.verifier = self.ledger.request("verifier_hello")["verifier"]
         self.version, self.epoch, self.sender, self.pg = -1, None, None, None
         self.members, self.forwarded, self.arrived = {}, [], collections.Counter()
@@ -212,7 +212,7 @@ def env(tmp_path_factory, insecure_serialization):
 
 
 async def _start(cfg):
-    return actor.start_engines(cfg)
+    return engine_setup.start_engines(cfg)
 
 
 async def _gather(*coros):
@@ -237,7 +237,7 @@ def greedy(env, max_tokens=12):
 
 def test_engines_of_one_process_draw_their_own_noise(env):
     """Two engines of one actor process, each given the same prompt as its first request at temperature 2:
-    their completions differ (actor.engine_seed). Seeded alike, as they were, vLLM drew the k-th request's
+    their completions differ (engine_setup.engine_seed). Seeded alike, as they were, vLLM drew the k-th request's
     sampling noise alike in every engine, and these two completions were identical: a group's attempts
     spread over engines, or the same prompt on two engines, were duplicates."""
     first, other = env["firsts"]
@@ -400,7 +400,7 @@ def test_behaviour_logprobs_match_hf(env, temperature):
 def test_cpu_engine_core_runs_without_dynamo(env):
     """vLLM's sampler wraps its token-rank helper in torch.compile even with enforce_eager: on CPU inductor
     builds C++ on the first step with logprobs (~5 s of a run's start) and dynamo guards run on every step.
-    actor.start_engines starts the engine core with TORCHDYNAMO_DISABLE=1: inductor never writes its cache."""
+    engine_setup.start_engines starts the engine core with TORCHDYNAMO_DISABLE=1: inductor never writes its cache."""
     load(env, env["sd"])  # a fresh engine labels its tokens "default", not a version
     params = actor.sampling_params(env["cfg"], 1.0)  # the roles' own: logprobs of the sampled tokens
     env["loop"].run_until_complete(actor.generate(env["engine"], PROMPTS[0], params, "token-ranks"))
@@ -920,10 +920,10 @@ def test_weight_server_newest_only_bit_identical(env):
     state = T.build_state(cfg, torch.device("cpu"))
     v0 = env["trainer"].version + 1
     versions, expected, done = range(v0, v0 + 40), {}, threading.Event()
-    inc = elastic.Client(cfg, store).request("actor_hello", pid=os.getpid(), host="test")["inc"]
+    inc = common.LedgerClient(cfg, store).request("actor_hello", pid=os.getpid(), host="test")["inc"]
 
     def speak():  # as the actor's loop: it asks the ledger, so it is alive
-        ledger = elastic.Client(cfg, ws.create_store("127.0.0.1", store.port, False, 60))
+        ledger = common.LedgerClient(cfg, ws.create_store("127.0.0.1", store.port, False, 60))
         while not done.is_set():
             ledger.request("tickets", inc=inc, epoch=-1, version=-1, want=0, pushed=[], drop=[])
             time.sleep(0.2)
@@ -933,7 +933,7 @@ def test_weight_server_newest_only_bit_identical(env):
         time.sleep(0.1)
     first = int(store.add("announced", 0))  # the server's first roster comes right after this
     server = ws.WeightServer(cfg, v0, torch.device("cpu"), epoch=env["trainer"].epoch,
-                             ledger=lambda: elastic.Client(cfg, ws.create_store("127.0.0.1", store.port, False, 60)))
+                             ledger=lambda: common.LedgerClient(cfg, ws.create_store("127.0.0.1", store.port, False, 60)))
 
     def trainer_thread():
         # a connection of its own: the receiver's waits on `store` block it (one call at a time)
@@ -1066,7 +1066,7 @@ def test_actor_process_end_to_end(env, tmp_path):
         titles = [" ".join(c.cmdline()) for c in children]
         # The test engine's pickle switch (insecure_serialization) stays out of the role's processes
         assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in psutil.Process(proc.pid).environ()
-        # vLLM's engine core, with the model inside it on CPU: no worker process beside it (actor.start_engines)
+        # vLLM's engine core, with the model inside it on CPU: no worker process beside it (engine_setup.start_engines)
         assert any("EngineCore" in t for t in titles) and not any("Worker" in t for t in titles), titles
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -1170,7 +1170,7 @@ def test_an_update_is_logged_with_its_timings(env, monkeypatch):
     probe = json.dumps(trainer.probe_logprobs(
         trainer.build_state(env["cfg"], torch.device("cpu"), model=model), env["cfg"]))
     lines = []
-    original = common.log
+    original = telemetry.log
 
     def log(role, metrics, step):
         if role == "actor":

@@ -141,10 +141,10 @@ def test_vllm_accepts_the_engine_settings_of_any_max_inflight(overlay, inflight,
     """vLLM checks its own settings when it builds an engine's config (create_engine_config, no model
     loaded). Its CPU default token budget of a step (2048) is below the slots of conventional RL's
     whole-batch H for G = 16 (2,048 + 512 for evaluation): a run of that setting passed every check
-    and then died as its engine started, until actor.engine_args sized the budget to the slots."""
-    import actor
+    and then died as its engine started, until engine_setup.engine_args sized the budget to the slots."""
+    from scripts import engine_setup
     cfg = common.load_config([*overlay, f"model.path={tiny_model_dir}",
                               f"actor.max_inflight={inflight}"])
-    config = actor.engine_args(cfg).create_engine_config()
-    assert config.scheduler_config.max_num_seqs == inflight + actor.eval_slots(cfg) + 1  # + the probe
+    config = engine_setup.engine_args(cfg).create_engine_config()
+    assert config.scheduler_config.max_num_seqs == inflight + engine_setup.eval_slots(cfg) + 1  # + the probe
     assert config.scheduler_config.max_num_batched_tokens >= config.scheduler_config.max_num_seqs

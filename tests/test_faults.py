@@ -285,7 +285,7 @@ def test_the_owner_process_answers_and_journals(tmp_path):
     try:
         import weights_sync as ws
         store = ws.create_store("127.0.0.1", cfg.sync.port, False, 60)
-        client = elastic.Client(cfg, store)
+        client = common.LedgerClient(cfg, store)
         assert client.request("actor_hello", pid=1, host="h") == {"inc": 1, "verifier": 0}
         with pytest.raises(RuntimeError, match="the ledger refused a request"):
             client.request("tickets", inc=1)

@@ -15,6 +15,7 @@ import zmq
 import common
 import tasks
 from common import ConfigError, WireError
+from scripts import telemetry
 from conftest import REPO, free_port, hf_greedy, read_jsonl, recv, send, vllm_greedy
 
 
@@ -91,13 +92,13 @@ def test_check_cli_exits_nonzero_before_anything_starts():
 
 def test_run_info_and_metrics(tmp_path):
     cfg = common.load_config([f"run.dir={tmp_path}"])
-    common.setup_logging(cfg, "actor")  # every role's start-up: the record (write_run_info), then its metrics file
+    telemetry.setup_logging(cfg, "actor")  # every role's start-up: the record (write_run_info), then its metrics file
     info = json.loads((tmp_path / "run_info_actor.json").read_text())
     assert info["versions"]["torch"] and info["git_commit"]
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode == 0:
         assert re.fullmatch(r"[0-9a-f]{40}", info["git_commit"]), info["git_commit"]  # "unknown"?
     assert common.load_config([], path=tmp_path / "config.yaml") == cfg  # resolved config reloads
-    common.log("actor", {"tokens_per_s": 12.5, "lag_max": 3}, step=7)
+    telemetry.log("actor", {"tokens_per_s": 12.5, "lag_max": 3}, step=7)
     rec = read_jsonl(tmp_path / "metrics_actor.jsonl")[-1]
     assert rec["step"] == 7 and rec["actor/tokens_per_s"] == 12.5 and rec["actor/lag_max"] == 3
 
@@ -107,10 +108,10 @@ def test_wandb_offline_mirror(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = common.load_config([f"run.dir={tmp_path}", "run.wandb=true"])
-    common.setup_logging(cfg, "verifier")
-    run = common._log_state["verifier"]["wandb"]
+    telemetry.setup_logging(cfg, "verifier")
+    run = telemetry._log_state["verifier"]["wandb"]
     assert run is not None
-    common.log("verifier", {"reward_mean": 0.625, "queue_depth": 3}, step=1)
+    telemetry.log("verifier", {"reward_mean": 0.625, "queue_depth": 3}, step=1)
     run.finish()
     files = list(tmp_path.glob("wandb/offline-run-*/*.wandb"))
     assert len(files) == 1
@@ -329,7 +330,7 @@ def reading_functions():
 def test_the_reading_path_reaches_the_fault_layer_only_through_its_named_calls():
     """A newcomer following docs/READING.md beside the paper meets the paper's steps, not the fault layer.
     Each function it cites holds no store key of the fault layer and reaches elastic.py only by calling one of
-    its few named entry points (`elastic.Client(...)`, `elastic.Progress(...)`, ...), never its internals.
+    its few named entry points (`common.LedgerClient(...)`, `elastic.Progress(...)`, ...), never its internals.
     Fails, e.g., on actor.Actor.run keeping incarnations in the store, or a function reading elastic.Ledger's
     books."""
     import ast

@@ -13,12 +13,11 @@ import sys
 
 import pytest
 
-import actor
 import common
 import tasks
 from common import ConfigError
 from conftest import REPO
-from scripts import launch, rundir
+from scripts import engine_setup, launch, rundir
 
 BOTH = ("verifier", "trainer", "actor")
 
@@ -82,13 +81,13 @@ def test_an_actor_started_alone_checks_its_gpus(overrides, visible, needle):
     """actor.py started without run.sh runs run.sh's check of its GPUs (common.gpu_set): too few gave vLLM
     an empty device list for an engine (read as "no choice": device 0), an unknown id a bare ValueError."""
     with pytest.raises(ConfigError, match=re.escape(needle)):
-        actor.engine_devices(common.load_config(overrides), visible)
+        engine_setup.engine_devices(common.load_config(overrides), visible)
 
 
 def test_an_actor_started_alone_maps_its_engines_to_their_gpus():
     cfg = common.load_config(["actor.engines=2", "actor.tp=2", "actor.gpus=6,7,4,5"])
-    assert actor.engine_devices(cfg, ["4", "5", "6", "7"]) == [[2, 3], [0, 1]]
-    assert actor.engine_devices(common.load_config(["actor.engines=2"]), ["3", "1", "2"]) == [[0], [1]]
+    assert engine_setup.engine_devices(cfg, ["4", "5", "6", "7"]) == [[2, 3], [0, 1]]
+    assert engine_setup.engine_devices(common.load_config(["actor.engines=2"]), ["3", "1", "2"]) == [[0], [1]]
 
 
 def test_visible_gpus(tmp_path, monkeypatch):

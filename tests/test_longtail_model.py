@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import yaml
 
-import common
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
 import longtail_model  # noqa: E402
+from scripts import telemetry  # noqa: E402
 from scripts.throughput_model import MeasuredU  # noqa: E402
 
 
@@ -27,7 +27,7 @@ class Engine:
     """Writes an engine's counter buckets back to back, as weights_sync.WeightUpdateExtension does."""
 
     def __init__(self, run):
-        self.ev, self.t = common.Events(run, "engine1"), 1000.0
+        self.ev, self.t = telemetry.Events(run, "engine1"), 1000.0
 
     def bucket(self, h, tps, seconds=0.27, busy=0.75):
         self.ev.counter("engine", self.t, busy=busy, inflight=float(h), tokens_per_s=float(tps))
@@ -45,7 +45,7 @@ def synthetic_run(tmp_path, shared_cores=True):
     cores = "0-1" if shared_cores else "0"
     (run / "config.yaml").write_text(yaml.safe_dump({"actor": {"cpu_cores": cores},
                                                      "trainer": {"cpu_cores": cores if shared_cores else "1"}}))
-    eng, trainer = Engine(run), common.Events(run, "trainer0")
+    eng, trainer = Engine(run), telemetry.Events(run, "trainer0")
     noise = (0.97, 1.0, 1.03)  # the median of each bin is the true value
     for h in (4, 24, 100, 200, 300):
         for i in range(30):

@@ -29,7 +29,6 @@ import zmq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
-import elastic  # noqa: E402
 import trainer  # noqa: E402
 import weights_sync  # noqa: E402
 from conftest import Owner, forkserver, free_port  # noqa: E402
@@ -74,7 +73,7 @@ def _rank(rank, world, port, tmp, overrides, samples_port, steps, epoch):
     cfg = common.load_config(overrides)
     store = weights_sync.create_store("127.0.0.1", cfg.sync.port, False, 60)
     state = trainer.TrainState(model=None, fsdp=SimpleNamespace(device=torch.device("cpu")), epoch=epoch)
-    ledger = elastic.Client(cfg, store) if rank == 0 else None
+    ledger = common.LedgerClient(cfg, store) if rank == 0 else None
     addr = common.zmq_addr("127.0.0.1", samples_port)
     report = {"arrived": [], "batches": [], "queued_at_drop": False}
     sock = Recorded(addr, report["arrived"])

@@ -5,7 +5,7 @@ head_dim 32: the smallest vLLM's CPU attention takes; 2 layers; the char tokeniz
 Qwen2 tied and untied, Llama tied (its checkpoint also keeps a redundant copy of the tied head, as
 fine-tuning tools often write; vLLM and HF then both re-tie it), Qwen3 tied.
 
-A head left packed at its initial weights in vLLM (weights_sync.unpack_cpu_weights not pointing it at the
+A head left packed at its initial weights in vLLM (engine_setup.unpack_cpu_weights not pointing it at the
 Parameter) fails every case here, tied or not.
 
 Run: .venv/bin/python -m pytest -q tests/test_models.py      (~2.5-3 min on 2 cores: one engine per model,
@@ -25,6 +25,7 @@ import actor
 import common
 import trainer
 import weights_sync as ws
+from scripts import engine_setup
 
 torch.set_num_threads(1)
 PROMPTS = ["12+34=\n", "7+8=\n", "305+96=\n", "1+1=\n"]
@@ -91,7 +92,7 @@ async def _gather(*coros, **kw):  # gather's futures must belong to the engine's
 
 
 async def _start(cfg):  # AsyncLLM must be built inside the loop that will drive it
-    return actor.start_engines(cfg)[0]
+    return engine_setup.start_engines(cfg)[0]
 
 
 @pytest.mark.parametrize("family,tied,redundant_head", [

@@ -1,5 +1,5 @@
-"""Tier (a): how the code reads. The five algorithm files hold at most 2,000 lines of code, the eight core
-files at most 2,960, the fault layer at most 290, at most 2% of
+"""Tier (a): how the code reads. The five algorithm files hold at most 1,800 lines of code, the eight core
+files at most 2,700, the fault layer at most 250, at most 2% of
 their lines are wider than 100 columns, the README's line counts are true, and every Markdown file that
 a tracked file names is in this repository (a fork has nothing else). Pure text: no torch, no vLLM.
 
@@ -16,12 +16,12 @@ from conftest import REPO
 ALGORITHM = ["actor.py", "trainer.py", "verifier.py", "weights_sync.py", "loss.py"]
 CORE = ALGORITHM + ["common.py", "tasks.py", "elastic.py"]
 # "the whole algorithm in ~2k lines": the five role files; with what the roles share (common.py, tasks.py)
-# and how a run survives a role's death or hang (elastic.py), the core. Ceilings where the code stands
-# (2026-12-07: 1,982, 2,956 and 286), not the targets it misses (1,800, 2,700 and 250 before multi-turn
-# episodes and the corrections; docs/DESIGN.md, "Size"): they may only come down.
-ALGORITHM_CODE_LINES_BUDGET = 1982
-CODE_LINES_BUDGET = 2956
-FAULT_LAYER_BUDGET = 286
+# and how a run survives a role's death or hang (elastic.py), the core. What is not the algorithm lives
+# under scripts/ (engine set-up, checkpoints, ranks, telemetry, the run directory's readers). Before
+# multi-turn episodes and the corrections (docs/DESIGN.md, "Size"); with them: 2,000 and 2,900.
+ALGORITHM_CODE_LINES_BUDGET = 1800
+CODE_LINES_BUDGET = 2700
+FAULT_LAYER_BUDGET = 250
 MAX_COLUMNS = 100
 MAX_WIDE_SHARE = 0.02  # of the core's lines (nanoGPT: 1.5% over 110 columns; CleanRL ~1%)
 

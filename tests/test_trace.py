@@ -17,7 +17,7 @@ import pytest
 import common
 from actor import token_lags
 from conftest import REPO, read_jsonl
-from scripts import launch
+from scripts import launch, telemetry
 from scripts.rundir import read_events
 from scripts.trace import to_trace
 from test_e2e import finish, short_config, start
@@ -89,14 +89,14 @@ def test_trace_of_a_short_run(tiny_model_dir, tmp_path):
 
 
 def test_events_recorder_buffers_and_can_be_off(tmp_path):
-    ev = common.Events(tmp_path, "x")
+    ev = telemetry.Events(tmp_path, "x")
     ev.span("a/b", 1.0, end=2.5, k=1)
     ev.counter("c", 3.0, v=2)
     assert not (tmp_path / "events_x.jsonl").exists() or ev.buf  # not written per record
     ev.flush()
     assert read_events(tmp_path / "events_x.jsonl")[1:] == [["X", "a/b", 1.0, 1.5, {"k": 1}],
                                                             ["C", "c", 3.0, {"v": 2}]]
-    off = common.Events(tmp_path, "y", on=False)
+    off = telemetry.Events(tmp_path, "y", on=False)
     off.span("a", 1.0)
     off.counter("c", 1.0, v=1)
     assert off.buf[1:] == [] and not (tmp_path / "events_y.jsonl").exists()
@@ -195,16 +195,16 @@ def test_timeline_figure_from_synthetic_events(tmp_path):
     for name, updates in (("conv", [10.0, 20.0, 30.0, 40.0]), ("pipe", [])):
         run = tmp_path / name
         run.mkdir()
-        ev = common.Events(run, "actor0")
+        ev = telemetry.Events(run, "actor0")
         for t in updates:
             ev.span("update", t - 0.1, end=t)
         ev.flush()
-        ev = common.Events(run, "engine1")
+        ev = telemetry.Events(run, "engine1")
         for i in range(200):  # conventional: fills, drains, idles; the same counters for both
             ev.counter("engine", i * 0.25, busy=1.0, inflight=float(200 - i % 40 * 5),
                        tokens_per_s=4000.0)
         ev.flush()
-        ev = common.Events(run, "trainer0")
+        ev = telemetry.Events(run, "trainer0")
         ev.span("step/forward_backward", 18.0, end=19.0)
         ev.flush()
     plot.main(["--timeline", str(tmp_path / "conv"), str(tmp_path / "pipe"),
@@ -220,13 +220,13 @@ def test_timeline_picks_an_rl_step_no_evaluation_overlaps(tmp_path):
                                  ("busy", [10.0, 20.0, 30.0], [(5.0, 35.0)]), ("pipe", [], [])):
         run = tmp_path / name
         run.mkdir()
-        ev = common.Events(run, "actor0")
+        ev = telemetry.Events(run, "actor0")
         for t in updates:
             ev.span("update", t - 0.1, end=t)
         for s, e in evals:
             ev.span("eval", s, end=e, version=0)
         ev.flush()
-        ev = common.Events(run, "engine1")
+        ev = telemetry.Events(run, "engine1")
         for i in range(240):
             ev.counter("engine", i * 0.25, busy=1.0, inflight=100.0, tokens_per_s=1000.0)
         ev.flush()

@@ -32,11 +32,10 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import common  # noqa: E402
-import elastic  # noqa: E402
 import loss  # noqa: E402
 import trainer  # noqa: E402
 from conftest import FakeActor, Owner, forkserver, free_port, read_jsonl  # noqa: E402
-from scripts import rundir  # noqa: E402
+from scripts import checkpoints, rundir  # noqa: E402
 
 torch.set_num_threads(1)
 LR, WD, TEMP, CLIP = 1e-3, 0.1, 0.7, 1.0
@@ -382,7 +381,7 @@ def _broadcast_worker(rank, world, port, tmp, overrides, batch):
     state = trainer.build_state(cfg, CPU, model=tiny_model())
     store, server = ws.create_store("127.0.0.1", cfg.sync.port, False, 60), None
     if trainer.is_main():  # the broadcast runs in the WeightServer's thread
-        server = ws.WeightServer(cfg, 0, CPU, epoch=1, ledger=lambda: elastic.Client(cfg, store))
+        server = ws.WeightServer(cfg, 0, CPU, epoch=1, ledger=lambda: common.LedgerClient(cfg, store))
         while not server.members:  # the actor in the roster: it gets both versions
             time.sleep(0.05)
     trainer.send_weights(state, server, store, cfg, wait=True)
@@ -423,7 +422,7 @@ def test_checkpoint_reloads_in_hf_with_identical_logits(tmp_path, tiny_model_dir
     state.done_ids = {0, 1, 2, 5}  # trained or dropped (rank 0's books, from the ledger's reports)
     for step in range(3):
         trainer.train_step(state, make_batch(8, step, seed=step), cfg)
-        path = trainer.save_checkpoint(state, cfg, tokenizer)
+        path = checkpoints.save(state, cfg, tokenizer)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-3"]  # keep 2
     assert {"COMPLETE", "optim-rank0.pt", "trainer_state.json", "config.json", "model.safetensors.index.json",
             "tokenizer.json"} <= {p.name for p in path.iterdir()}
@@ -444,7 +443,7 @@ def _resume_worker(rank, world, port, tmp, batches):
     for i, batch in enumerate(batches):
         trainer.train_step(state, _share(batch, world, rank), cfg)
         if i == 1:
-            ckpt = trainer.save_checkpoint(state, cfg)
+            ckpt = checkpoints.save(state, cfg)
     uninterrupted = full_params(state)
     resumed = trainer.build_state(cfg, CPU, ckpt=rundir.latest_checkpoint(Path(tmp) / "checkpoints"))
     assert resumed.step == 2 and ckpt.name == "step-2"
@@ -497,7 +496,7 @@ class FakeVerifier:
     def _run(self):
         import zmq
         import weights_sync as ws
-        ledger = elastic.Client(self.owner.cfg, ws.create_store("127.0.0.1", self.owner.cfg.sync.port, False, 60))
+        ledger = common.LedgerClient(self.owner.cfg, ws.create_store("127.0.0.1", self.owner.cfg.sync.port, False, 60))
         verifier = ledger.request("verifier_hello")["verifier"]
         while not self.stop.is_set():
             version = self.actor.versions[-1] if self.actor.updates else -1
@@ -654,10 +653,10 @@ def test_done_ids_are_pruned_into_a_floor():
     """A checkpoint keeps every id below done_below done (trained or dropped), and the ones above it."""
     from types import SimpleNamespace
     state = SimpleNamespace(done_below=0, done_ids={0, 1, 3, 5, 6})
-    trainer.prune_done(state)
+    checkpoints.prune_done(state)
     assert state.done_below == 2 and state.done_ids == {3, 5, 6}
     state.done_ids |= {2, 4}
-    trainer.prune_done(state)
+    checkpoints.prune_done(state)
     assert state.done_below == 7 and state.done_ids == set()
 
 
@@ -701,7 +700,7 @@ def test_the_roster_follows_the_actors_the_ledger_counts_alive(tmp_path):
     owner = Owner(tmp_path, "run.heartbeat_timeout_s=2")
     try:
         stays, goes = FakeActor(owner.cfg), FakeActor(owner.cfg)
-        server = ws.WeightServer(owner.cfg, 0, CPU, epoch=1, ledger=lambda: elastic.Client(owner.cfg, owner.store))
+        server = ws.WeightServer(owner.cfg, 0, CPU, epoch=1, ledger=lambda: common.LedgerClient(owner.cfg, owner.store))
         deadline = time.time() + 30
         while set(server.members) != {stays.inc, goes.inc} and time.time() < deadline:
             time.sleep(0.1)
