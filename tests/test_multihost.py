@@ -211,7 +211,9 @@ def test_slurm_nodes_then_the_actor_hosts_link_cut_and_restored(tiny_model_dir, 
     assert trainer_steps(run_dir)[-1] == 12 > steps_while_cut
     actor_log = (run_dir / "logs" / "actor.log").read_text()
     assert "incarnation 2, waiting for a weight roster" in actor_log, actor_log[-3000:]
-    assert actor_log.count("engine 0: up in") == 1 and "starting it again" not in out1  # the same engines
+    # the same engines
+    assert actor_log.count("engine 0: up in") == 1 and "starting it again" not in out1, \
+        actor_log[-6000:] + "\n--- node 1:\n" + out1[-3000:] + logs(run_dir)
     time.sleep(1)
     left = _ip("netns", "pids", hosts["ns"][0]).split()
     assert not left, f"orphans on node 0: {left}"

