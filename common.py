@@ -50,7 +50,8 @@ CHOICES = {("data", "task"): ("arithmetic", "longtail", "math"),
            ("data", "prompt_format"): ("plain", "chat"),
            ("actor", "schedule"): ("pipeline", "conventional"),
            ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
-           ("trainer", "reduce_dtype"): ("float32", "bfloat16")}
+           ("trainer", "reduce_dtype"): ("float32", "bfloat16"),
+           ("trainer", "correction"): ("tis", "seq_is", "token_mask", "seq_mask", "m2po")}
 # Bounds of the numeric keys: value >= MINIMUMS[section][key]; value > 0 for the POSITIVE keys.
 # Upper bounds and combinations: `_rules`. Every float must also be finite: nan passes every bound
 # check (lr=nan would train on nothing; reward_correct=nan makes every group with a correct answer
@@ -68,7 +69,7 @@ MINIMUMS = {"run": dict(seed=0, log_every=0, max_restarts=0),
 POSITIVE = {"run": ("peer_timeout_s", "heartbeat_timeout_s", "hang_timeout_s", "restart_s"),
             "actor": ("temperature", "top_p", "kv_cache_gb", "gpu_memory_utilization"),
             "verifier": ("timeout_s", "stale_group_s"),
-            "trainer": ("lr", "eps", "is_clamp"),
+            "trainer": ("lr", "eps", "is_clamp", "mask_low", "m2po_tau"),
             "sync": ("bucket_mb", "timeout_s")}
 
 class _Derived:
@@ -178,6 +179,9 @@ def _rules(cfg: Config):
     yield (a.top_p > 1, f"actor.top_p={a.top_p}: must be in (0, 1]")
     yield (a.gpu_memory_utilization > 1,
            f"actor.gpu_memory_utilization={a.gpu_memory_utilization}: must be in (0, 1]")
+    yield (not t.mask_low < 1 < t.mask_high, f"trainer.mask_low={t.mask_low:g}, trainer.mask_high="
+           f"{t.mask_high:g}: the band of ratios kept (token_mask, seq_mask) must hold 1, the "
+           "on-policy ratio: need 0 < mask_low < 1 < mask_high")
     yield (not all(0 <= b < 1 for b in t.betas),
            f"trainer.betas={list(t.betas)}: each must be in [0, 1)")
     yield (conventional and a.max_lag < a.G_steps - 1, f"actor.max_lag={a.max_lag} < "

@@ -21,10 +21,15 @@ Notation (shapes: B sequences, T completion tokens, V vocab):
   (7) KL(μ‖π) ≈ Σ_t k3,  k3 = ρ − 1 − log ρ  with ρ = π/μ (unclamped), y_t ~ μ
             (Schulman's k3)
 
+Other corrections than (4) (corrections.py, `trainer.correction`) replace w_it, and may drop
+tokens from (5): their weight is 0 there; they count in N_tok of (6) and in the KL, not in (5).
+
 Dividing by N_seq (not tokens, not per micro-batch) makes (5) additive: the trainer sums the losses,
 gradients and statistics (all SUMS) of its micro-batches and ranks. (2), (3) run in float32: a bf16
 logsumexp's error goes straight into (4) (docs/RESULTS.md, "Figures behind the code's comments").
 """
+import functools
+
 import torch
 
 # Token-lag buckets for the diagnostics by lag (paper Fig. 7): bucket i = [edge_i, edge_{i+1}).
@@ -120,27 +125,37 @@ def lag_bucket_index(lag):
     # [B,T]: i such that edge_i <= lag < edge_{i+1}
     return torch.bucketize(lag, inner_edges, right=True)
 
+def truncated_is(log_ratio, mask, is_clamp=5.0):
+    """(4) the token weights of eq. 5: log_ratio [B,T] (log π/μ, no gradient), mask [B,T] bool ->
+    w [B,T] = min(c, π/μ), and every token kept (mask unchanged). The other corrections have this
+    shape (corrections.py)."""
+    return torch.clamp(torch.exp(log_ratio), max=is_clamp), mask
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clamp=5.0, entropy=None,
-                lags=None):
+                lags=None, correction=None):
     """(4)-(5) truncated-IS REINFORCE -> (loss, stats). logprobs [B,T] (π, with grad),
     old_logprobs [B,T] (μ), advantages [B], mask [B,T] (bool or 0/1; masked tokens may hold any
     finite values), num_sequences N_seq of (5); entropy [B,T] adds `entropy_sum`, lags [B,T] long
-    the `bucket_*` sums ([len(LAG_BUCKET_LABELS)] each). stats: detached float64 SUMS that add
-    across micro-batches and ranks with no host sync (float64: a step's token count can pass
-    float32's exact integers, 2^24)."""
+    the `bucket_*` sums ([len(LAG_BUCKET_LABELS)] each); correction: (log_ratio, mask) -> (w,
+    kept) in place of (4) (corrections.choose; None: (4) with is_clamp). stats: detached float64
+    SUMS that add across micro-batches and ranks with no host sync (float64: a step's token count
+    can pass float32's exact integers, 2^24)."""
     m = mask.bool()  # [B,T]
     log_ratio = torch.where(m, logprobs.detach() - old_logprobs, 0.0)  # [B,T] log π/μ; 0 off-mask
     ratio = torch.exp(log_ratio)  # [B,T] (4) raw IS ratio π/μ, no gradient (sg)
-    weight = torch.clamp(ratio, max=is_clamp)  # [B,T] (4) truncated IS weight
-    per_token = torch.where(m, weight * advantages[:, None] * logprobs, 0.0)  # [B,T] (5) summand
+    correction = correction or functools.partial(truncated_is, is_clamp=is_clamp)
+    weight, kept = correction(log_ratio, m)  # [B,T] each: (4), or another correction's
+    weight = torch.where(kept, weight, 0.0)  # [B,T] (4) truncated IS weight; 0 where dropped
+    per_token = torch.where(kept, weight * advantages[:, None] * logprobs, 0.0)  # [B,T] (5) summand
     # ÷ N_seq: the step's sequences over all micro-batches and ranks
     loss = -per_token.sum() / num_sequences  # (5)
 
     with torch.no_grad():
         # [B,T] each. ratio_sum, ratio_sq_sum: Σ w, Σ w² of (6); clamped_tokens: the truncation
-        # engaged, never off-mask (ratio = 1 there); kl_sum: 0 off-mask for the same reason.
+        # engaged (w at c), masked_tokens: dropped by the correction, neither ever off-mask;
+        # kl_sum: 0 off-mask (ratio = 1 there).
         summands = {"tokens": m, "ratio_sum": weight, "ratio_sq_sum": weight * weight,  # (6)
-                    "clamped_tokens": ratio > is_clamp,  # (4)
+                    "clamped_tokens": kept & (weight >= is_clamp), "masked_tokens": m & ~kept,
                     "logprob_sum": logprobs.detach(), "old_logprob_sum": old_logprobs,
                     "kl_sum": ratio - 1.0 - log_ratio}  # (7) k3
         if entropy is not None:
@@ -152,7 +167,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, num_sequences, is_clam
             bucket = lag_bucket_index(lags).reshape(-1)  # [B·T]
             for name, k in (("bucket_tokens", "tokens"), ("bucket_ratio_sum", "ratio_sum"),
                             ("bucket_ratio_sq_sum", "ratio_sq_sum"), ("bucket_kl_sum", "kl_sum"),
-                            ("bucket_clamped", "clamped_tokens")):
+                            ("bucket_clamped", "clamped_tokens"),
+                            ("bucket_masked", "masked_tokens")):
                 flat = summands[k].reshape(-1)  # [B·T]
                 # [K] one sum per lag bucket
                 stats[name] = flat.new_zeros(len(LAG_BUCKET_LABELS)).scatter_add_(0, bucket, flat)

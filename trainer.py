@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import common
+import corrections
 import elastic
 import loss
 import weights_sync
@@ -466,7 +467,8 @@ def train_step(state: TrainState, samples, cfg) -> dict:
         # loss normalizer (tc.batch_size): sequences in this optimizer step, all micro-batches,
         # all ranks
         mb_loss, stats = loss.policy_loss(logprobs, x["old_logprobs"], x["advantages"], x["mask"],
-                                          tc.batch_size, tc.is_clamp, entropy, x["lags"])
+                                          tc.batch_size, tc.is_clamp, entropy, x["lags"],
+                                          corrections.choose(tc))
         # reduce-scatters each unit's gradient into its shard, accumulating over micro-batches
         mb_loss.backward()
         stats["loss"] = mb_loss.detach().to(torch.float64)
@@ -513,7 +515,8 @@ def step_metrics(s, grad_norm, lag_min, lag_max, train_s, n_mb, state, skipped) 
     tok = max(s["tokens"], 1.0)
     metrics = {"loss": s["loss"], "grad_norm": grad_norm,
                "ess": loss.ess(s["ratio_sum"], s["ratio_sq_sum"], s["tokens"]),  # paper eq. 6
-               "clamp_frac": s["clamped_tokens"] / tok, "kl": s["kl_sum"] / tok,
+               "clamp_frac": s["clamped_tokens"] / tok, "mask_frac": s["masked_tokens"] / tok,
+               "kl": s["kl_sum"] / tok,
                "entropy": s["entropy_sum"] / tok, "lag_min": lag_min if s["lag_tokens"] else 0.0,
                "lag_mean": s["lag_sum"] / max(s["lag_tokens"], 1.0),
                "lag_max": lag_max if s["lag_tokens"] else 0.0,
@@ -527,7 +530,8 @@ def step_metrics(s, grad_norm, lag_min, lag_max, train_s, n_mb, state, skipped) 
         if n := s["bucket_tokens"][i]:
             ess = loss.ess(s["bucket_ratio_sum"][i], s["bucket_ratio_sq_sum"][i], n)
             metrics |= {f"tokens_lag_{label}": n, f"kl_lag_{label}": s["bucket_kl_sum"][i] / n,
-                        f"ess_lag_{label}": ess, f"clamp_lag_{label}": s["bucket_clamped"][i] / n}
+                        f"ess_lag_{label}": ess, f"clamp_lag_{label}": s["bucket_clamped"][i] / n,
+                        f"mask_lag_{label}": s["bucket_masked"][i] / n}
     # Paper Fig. 3a: mean lag by completion position (bucket p covers positions
     # [p, p+1) * max_tokens / P).
     return {**metrics, "lag_by_position": [round(total / n, 3) if n else None

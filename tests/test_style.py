@@ -1,5 +1,5 @@
-"""Tier (a): how the code reads. The five algorithm files hold at most 1,800 lines of code, the eight core
-files at most 2,700, the fault layer at most 250, at most 2% of
+"""Tier (a): how the code reads. The five algorithm files hold at most 2,000 lines of code, the core (every
+top-level .py) at most 2,900, the fault layer at most 250, at most 2% of
 their lines are wider than 100 columns, the README's line counts are true, and every Markdown file that
 a tracked file names is in this repository (a fork has nothing else). Pure text: no torch, no vLLM.
 
@@ -14,13 +14,14 @@ import tokenize
 from conftest import REPO
 
 ALGORITHM = ["actor.py", "trainer.py", "verifier.py", "weights_sync.py", "loss.py"]
-CORE = ALGORITHM + ["common.py", "tasks.py", "elastic.py"]
+CORE = ALGORITHM + ["common.py", "tasks.py", "elastic.py", "corrections.py"]
 # "the whole algorithm in ~2k lines": the five role files; with what the roles share (common.py, tasks.py)
 # and how a run survives a role's death or hang (elastic.py), the core. What is not the algorithm lives
 # under scripts/ (engine set-up, checkpoints, ranks, telemetry, the run directory's readers). Before
-# multi-turn episodes and the corrections (docs/DESIGN.md, "Size"); with them: 2,000 and 2,900.
-ALGORITHM_CODE_LINES_BUDGET = 1800
-CODE_LINES_BUDGET = 2700
+# multi-turn episodes and the corrections: 1,800 and 2,700 (met at 2e61714: 1,798 and 2,650); with them
+# (docs/DESIGN.md, "Size"):
+ALGORITHM_CODE_LINES_BUDGET = 2000
+CODE_LINES_BUDGET = 2900
 FAULT_LAYER_BUDGET = 250
 MAX_COLUMNS = 100
 MAX_WIDE_SHARE = 0.02  # of the core's lines (nanoGPT: 1.5% over 110 columns; CleanRL ~1%)
@@ -69,6 +70,7 @@ a string assigned"""
 
 
 def test_core_within_its_code_line_budget():
+    assert set(CORE) == {p.name for p in REPO.glob("*.py")}, "every top-level .py is counted in the core"
     counts = {name: code_lines((REPO / name).read_text()) for name in CORE}
     total = sum(counts.values())
     assert total <= CODE_LINES_BUDGET, f"{total} lines of code in the core (at most {CODE_LINES_BUDGET}): {counts}"

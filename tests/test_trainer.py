@@ -279,6 +279,23 @@ def test_zero_advantage_samples_are_skipped_result_unchanged(tmp_path):
         assert m["loss"] == pytest.approx(lo, rel=1e-5, abs=1e-6) and m["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
+def test_trainer_correction_chooses_the_weights_and_logs_its_fractions(tmp_path):
+    """trainer.correction reaches the loss: on one batch (a fifth of the tokens 3 nats off-policy, ratios
+    ~e^3 > 5) eq. 5 clamps and masks nothing; token_mask drops those tokens (mask_frac > 0, clamp_frac 0,
+    a different loss); the fractions are logged overall and by lag."""
+    batch = make_batch(12, 3, seed=0)
+    got = {}
+    for name in ("tis", "token_mask"):
+        cfg = make_cfg(tmp_path, **{"trainer.correction": name})
+        got[name] = trainer.train_step(trainer.build_state(cfg, CPU, model=tiny_model()), batch, cfg)
+    tis, mask = got["tis"], got["token_mask"]
+    assert tis["clamp_frac"] > 0 and tis["mask_frac"] == 0
+    assert mask["clamp_frac"] == 0 and 0.1 < mask["mask_frac"] < 0.5 and mask["loss"] != pytest.approx(tis["loss"])
+    lag_keys = [k for k in mask if k.startswith("mask_lag_")]
+    assert lag_keys and sum(mask[k] * mask[k.replace("mask_lag_", "tokens_lag_")] for k in lag_keys) == \
+        pytest.approx(mask["mask_frac"] * mask["tokens"])
+
+
 def test_non_finite_gradient_skips_the_update(tmp_path):
     """An advantage of 3e38 is a finite number, but its gradient overflows to inf: the update is skipped
     (weights and AdamW moments unchanged, counted), the step still counts; the next step trains normally
