@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import sys
 import threading
@@ -46,6 +47,7 @@ import torch.distributed
 
 import common
 import elastic
+import envs
 import weights_sync as ws
 from scripts import engine_setup, telemetry
 from tasks import format_prompt, load_tasks
@@ -192,6 +194,50 @@ async def generate(engine, prompt, params, request_id: str,
             "completion_ids": ids, "logprobs": logprobs, "versions": versions,
             "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time()}
 
+async def run_episode(engine, env, prompt, params, request_id: str, priority: int, cfg, tokenizer,
+                      rng, busy) -> dict:
+    """One sample, an episode (envs.py): the model's turns and the environment's answers as one
+    token stream -> generate's dict over all of it, plus its turns and the environment's reward.
+    Each turn continues from the episode's ids so far; the environment's tokens are appended as
+    ids (tokenized alone), with version -1 and logprob 0: the trainer masks them. A turn ends at one
+    of the environment's stop tokens, the model's end, or the budget: actor.max_tokens for the
+    episode's completion, actor.max_turns for its turns. `busy()`: the engine's hang check counts
+    this episode while a turn generates, not while the environment answers."""
+    a, ids = cfg.actor, list(prompt["prompt_token_ids"])
+    stop_ids = [tokenizer.convert_tokens_to_ids(s) for s in env.stop]
+    if any(i is None or tokenizer.convert_ids_to_tokens(i) != s
+           for i, s in zip(stop_ids, env.stop)):
+        raise ValueError(f"{type(env).__name__}.stop={env.stop}: each must be one token of the "
+                         "model's vocabulary, spelled as the vocabulary spells it")
+    parts, used, reward, t_start = [], 0, 0.0, time.time()
+    for turn in range(1, a.max_turns + 1):
+        turn_params = params.clone()
+        turn_params.max_tokens, turn_params.stop_token_ids = a.max_tokens - used, stop_ids
+        with busy():
+            r = await generate(engine, {"prompt_token_ids": ids}, turn_params,
+                               f"{request_id}-{turn}", priority)
+        parts.append(r)
+        ids, used = ids + r["completion_ids"].tolist(), used + len(r["completion_ids"])
+        if r["finish_reason"] == "length" or used >= a.max_tokens or turn == a.max_turns:
+            break
+        step = await envs.bounded_step(env, tokenizer.decode(r["completion_ids"]),
+                                       a.step_timeout_s, tuple(a.step_latency_s), rng)
+        reward += step.reward
+        if step.done:
+            break
+        obs = tokenizer(step.observation, add_special_tokens=False)["input_ids"]
+        obs = np.asarray(obs[:a.max_tokens - used], dtype=np.int32)
+        parts.append({"completion_ids": obs, "logprobs": np.zeros(len(obs), np.float32),
+                      "versions": np.full(len(obs), -1, np.int32)})
+        ids, used = ids + obs.tolist(), used + len(obs)
+        if used >= a.max_tokens:
+            break
+    out = {n: np.concatenate([p[n] for p in parts])
+           for n in ("completion_ids", "logprobs", "versions")}
+    return {**out, "prompt_ids": np.asarray(prompt["prompt_token_ids"], dtype=np.int32),
+            "finish_reason": r["finish_reason"], "t_start": t_start, "t_end": time.time(),
+            "turns": turn, "env_reward": reward}
+
 def token_lags(version: int, versions):
     """[T] lags of a finished sample's tokens against the engine's version now: the newer of the
     actor's `version` and the sample's last label (the engine labels a new version as it loads it,
@@ -287,6 +333,7 @@ class Actor:
         self.stream, self.test = load_tasks(cfg)
         # vLLM's own (loaded once): prompts go in as its ids
         self.tokenizer = engines[0].get_tokenizer()
+        self.rng = random.Random(f"{cfg.run.seed}-{proc_index}")  # tool latencies (envs.py)
         # asyncio socket: a push awaits backpressure, it never blocks the loop
         self.push = zmq.asyncio.Context.instance().socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -613,16 +660,17 @@ class Actor:
         st = self.st
         kind, priority = ("e", EVAL_PRIORITY) if evaluation else ("g", TRAINING_PRIORITY)
         try:
-            with self.engine_busy(e):
-                r = await generate(self.engines[e], prompt, params, f"{st.inc}-{kind}{ticket}-{k}",
-                                   priority)
+            r = await run_episode(self.engines[e], envs.make(problem), prompt, params,
+                                  f"{st.inc}-{kind}{ticket}-{k}", priority, self.cfg,
+                                  self.tokenizer, self.rng, lambda: self.engine_busy(e))
             group = None if evaluation else st.groups[ticket]
             header = {"group_id": ticket if evaluation else group.group_id, "sample_idx": k,
                       "ticket": 0 if evaluation else ticket, "task": problem.task,
                       "epoch": st.epoch if evaluation else group.epoch, "answer": problem.answer,
                       "group_size": len(self.test) if evaluation else self.cfg.actor.group_size,
                       "finish_reason": r["finish_reason"], "t_start": r["t_start"],
-                      "t_end": r["t_end"], "eval": evaluation}
+                      "t_end": r["t_end"], "eval": evaluation, "turns": r["turns"],
+                      "env_reward": r["env_reward"]}
             arrays = {n: r[n] for n in common.SCHEMAS["rollout"][1]}
             self.note(engine_tokens=len(r["completion_ids"]))
             if evaluation:

@@ -46,7 +46,7 @@ DEFAULTS = _read_yaml(REPO / "config.yaml")
 SECTIONS = {name: dataclasses.make_dataclass(f"{name.title()}Cfg", frozen=True, fields=[
                 (k, tuple if isinstance(v, list) else type(v)) for k, v in values.items()])
             for name, values in DEFAULTS.items()}
-CHOICES = {("data", "task"): ("arithmetic", "longtail", "math"),
+CHOICES = {("data", "task"): ("arithmetic", "longtail", "calc", "math"),
            ("data", "prompt_format"): ("plain", "chat"),
            ("actor", "schedule"): ("pipeline", "conventional"),
            ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
@@ -58,7 +58,7 @@ CHOICES = {("data", "task"): ("arithmetic", "longtail", "math"),
 # malformed), and inf overflows a timeout.
 MINIMUMS = {"run": dict(seed=0, log_every=0, max_restarts=0),
             "actor": dict(engines=1, tp=1, group_size=1, max_inflight=1, G_steps=1, max_tokens=1,
-                          max_lag=0, eval_every=0, eval_temperature=0),
+                          max_lag=0, eval_every=0, eval_temperature=0, max_turns=1),
             "trainer": dict(nproc=1, nnodes=1, batch_size=1, micro_batch_tokens=1, max_steps=1,
                             keep_checkpoints=1, checkpoint_every=0, grad_clip=0, logits_chunk=0,
                             weight_decay=0),
@@ -67,7 +67,8 @@ MINIMUMS = {"run": dict(seed=0, log_every=0, max_restarts=0),
             "sync": dict(port=1, verify_every=0),
             "ports": dict(rollouts=1, samples=1, ledger=1)}
 POSITIVE = {"run": ("peer_timeout_s", "heartbeat_timeout_s", "hang_timeout_s", "restart_s"),
-            "actor": ("temperature", "top_p", "kv_cache_gb", "gpu_memory_utilization"),
+            "actor": ("temperature", "top_p", "kv_cache_gb", "gpu_memory_utilization",
+                      "step_timeout_s"),
             "verifier": ("timeout_s", "stale_group_s"),
             "trainer": ("lr", "eps", "is_clamp", "mask_low", "m2po_tau"),
             "sync": ("bucket_mb", "timeout_s")}
@@ -177,6 +178,8 @@ def _rules(cfg: Config):
            f"{a.max_inflight * a.engines} < actor.group_size={a.group_size}: no group ever fits in "
            f"flight; raise actor.max_inflight to at least {-(-a.group_size // a.engines)}")
     yield (a.top_p > 1, f"actor.top_p={a.top_p}: must be in (0, 1]")
+    yield (not 0 <= a.step_latency_s[0] <= a.step_latency_s[1] or len(a.step_latency_s) != 2,
+           f"actor.step_latency_s={list(a.step_latency_s)}: need [lo, hi] with 0 <= lo <= hi")
     yield (a.gpu_memory_utilization > 1,
            f"actor.gpu_memory_utilization={a.gpu_memory_utilization}: must be in (0, 1]")
     yield (not t.mask_low < 1 < t.mask_high, f"trainer.mask_low={t.mask_low:g}, trainer.mask_high="
@@ -198,7 +201,7 @@ def _rules(cfg: Config):
     # least half the problems out of the test split. Operands as tasks._draw_arithmetic draws them.
     digits = range(d.min_digits, d.max_digits + 1)
     problems = sum(10 if n == 1 else 9 * 10 ** (n - 1) for n in digits) ** 2
-    yield (d.task == "arithmetic" and d.test_size > problems // 2,
+    yield (d.task in ("arithmetic", "calc") and d.test_size > problems // 2,
            f"data.test_size={d.test_size}: data.min_digits={d.min_digits}..data.max_digits="
            f"{d.max_digits} make only {problems} distinct problems, and at least half must stay "
            f"out of the test split; lower data.test_size to {problems // 2} or raise "
@@ -273,7 +276,7 @@ _DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32, "float64
 # epoch whose weights sampled it
 _ROLLOUT = {"group_id": int, "sample_idx": int, "group_size": int, "task": str, "answer": str,
             "finish_reason": str, "t_start": float, "t_end": float, "ticket": int, "epoch": int,
-            "eval": bool}
+            "eval": bool, "turns": int, "env_reward": float}
 _ARRAYS = dict(prompt_ids="int32", completion_ids="int32", logprobs="float32", versions="int32")
 # verifier, order: the verifier incarnation that forwarded the group and the group's index in its
 # forwards (the trainer trains groups in that order and finds the ones lost on the way)
@@ -400,6 +403,14 @@ def decode(frames: list, kind: str):
     n = len(arrays["completion_ids"])
     if len(arrays["logprobs"]) != n or len(arrays["versions"]) != n:
         raise WireError(f"{kind}: logprobs/versions must have one entry per completion token ({n})")
+    # an episode (envs.py): the model's tokens (version >= 0, in the order versions came) and the
+    # environment's (version -1, no logprob), the model's first
+    v, env = arrays["versions"], arrays["versions"] == -1
+    if n and (v.min() < -1 or env[0] or arrays["logprobs"][env].any() or
+              (np.diff(v[~env]) < 0).any()):
+        raise WireError(f"{kind}: an episode's tokens are the model's (version >= 0, never "
+                        "decreasing) and the environment's (version -1, logprob 0), the model's "
+                        "first")
     if not header["sample_idx"] < header["group_size"]:
         raise WireError(f"{kind}: sample_idx {header['sample_idx']} outside group of "
                         f"{header['group_size']}")

@@ -50,7 +50,7 @@ _ARITH_ANSWER = re.compile(r"#(\d+)\s*$")
 _TEST_SEED = 12345  # the procedural test splits are fixed, whatever run.seed is
 # what grading says of an answer
 STATUSES = ("correct", "wrong", "no_answer", "unparsable", "timeout")
-TASKS = ("arithmetic", "longtail", "math")
+TASKS = ("arithmetic", "longtail", "calc", "math")
 _PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")  # 1,234.5 or 1234.5
 
@@ -127,6 +127,19 @@ def _draw_longtail(rng) -> Problem:
 def longtail_test(size) -> list:
     return _fixed_split(_draw_longtail, size)
 
+# --- calc: multiplication with a calculator tool (envs.Calculator) --------------------------------
+
+def calc_problem(a: int, b: int) -> Problem:
+    """`a*b` (data.min_digits..max_digits-digit operands): more than the tiny model can multiply in
+    its head. Its worked solution calls the tool, whose answer (`=` then the value, envs.Calculator)
+    is the environment's, not the model's: `a*b=` <tool: `v` newline> `#v`."""
+    return Problem(prompt=f"{a}*{b}\n", answer=str(a * b), task="calc",
+                   target=f"{a}*{b}={a * b}\n{ANSWER_MARK}{a * b}")
+
+def _draw_calc(rng, min_digits, max_digits) -> Problem:
+    a = _draw_arithmetic(rng, min_digits, max_digits).prompt[:-2].split("+")
+    return calc_problem(int(a[0]), int(a[1]))
+
 # --- GSM8K / MATH-style sets ---------------------------------------------------------------------
 
 def extract_boxed(text: str):
@@ -172,7 +185,7 @@ def math_problems(source: str, split: str) -> list:
 def score(completion: str, answer: str, task: str):
     """-> (reward, status) with the default table (correct 1.0, else 0.0). No time limit of its own:
     sympy can run for hours on a hostile answer, so the verifier calls it through ScorePool."""
-    if task in ("arithmetic", "longtail"):
+    if task in ("arithmetic", "longtail", "calc"):
         pred = arithmetic_final_answer(completion)
         if pred is None:
             return 0.0, "no_answer"
@@ -341,7 +354,8 @@ class TrainStream:
             if self.cfg.task == "longtail":
                 p = _draw_longtail(rng)
             else:
-                p = _draw_arithmetic(rng, self.cfg.min_digits, self.cfg.max_digits)
+                draw = _draw_calc if self.cfg.task == "calc" else _draw_arithmetic
+                p = draw(rng, self.cfg.min_digits, self.cfg.max_digits)
             if p.prompt not in self.test_keys:
                 return p
         raise RuntimeError(f"{self.cfg.task}: the test split covers the whole problem space; "
@@ -354,6 +368,8 @@ def load_tasks(cfg):
         test = math_problems(d.test_path, d.hf_split_test)[:d.test_size] if d.test_path else []
     elif d.task == "longtail":
         test = longtail_test(d.test_size)
+    elif d.task == "calc":
+        test = _fixed_split(lambda rng: _draw_calc(rng, d.min_digits, d.max_digits), d.test_size)
     else:
         test = arithmetic_test(d.test_size, d.min_digits, d.max_digits)
     return TrainStream(d, cfg.run.seed, test), test

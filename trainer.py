@@ -411,7 +411,8 @@ def collate(samples, version, device):
     T = max([len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples], default=2)
     input_ids = torch.zeros(rows, T, dtype=torch.long)  # [B,T]
     old_logprobs = torch.zeros(rows, T - 1)  # [B,T-1] μ of token t+1
-    mask = torch.zeros(rows, T - 1, dtype=torch.bool)  # [B,T-1] completion tokens only
+    # [B,T-1] the model's completion tokens only (an environment's, version -1, carry no loss)
+    mask = torch.zeros(rows, T - 1, dtype=torch.bool)
     lags = torch.zeros(rows, T - 1, dtype=torch.long)  # [B,T-1] version - versions[t]
     advantages = torch.tensor([float(s["advantage"]) for s in samples] or [0.0])  # [B]
     for i, s in enumerate(samples):
@@ -420,7 +421,7 @@ def collate(samples, version, device):
         input_ids[i, :P + C] = torch.from_numpy(ids)
         cols = slice(P - 1, P - 1 + C)
         old_logprobs[i, cols] = torch.from_numpy(s["logprobs"].astype(np.float32))
-        mask[i, cols] = True
+        mask[i, cols] = torch.from_numpy(s["versions"] >= 0)
         lags[i, cols] = version - torch.from_numpy(s["versions"].astype(np.int64))
     batch = dict(input_ids=input_ids, targets=input_ids[:, 1:], old_logprobs=old_logprobs,
                  mask=mask, lags=lags, advantages=advantages)
@@ -486,8 +487,9 @@ def train_step(state: TrainState, samples, cfg) -> dict:
     # Paper Fig. 3a: token lags (version - versions[t]) by completion position, 0..max_tokens-1 in
     # P buckets.
     P = 8
-    lag_rows = [version - s["versions"].astype(np.int64) for s in samples]  # per sample [C]
-    pos_rows = [np.minimum(np.arange(len(r)) * P // actor.max_tokens, P - 1) for r in lag_rows]
+    model = [np.flatnonzero(s["versions"] >= 0) for s in samples]  # per sample: model tokens
+    lag_rows = [version - s["versions"][m].astype(np.int64) for s, m in zip(samples, model)]
+    pos_rows = [np.minimum(m * P // actor.max_tokens, P - 1) for m in model]
     # [N_tok] each
     lags, pos = (np.concatenate(rows + [np.zeros(0, np.int64)]) for rows in (lag_rows, pos_rows))
     # this rank's sums over all its samples (trained or not), computed on the host
@@ -495,6 +497,8 @@ def train_step(state: TrainState, samples, cfg) -> dict:
                 reward_sum=sum(float(s["reward"]) for s in samples), malformed=state.malformed,
                 discarded=state.discarded,
                 all_tokens=sum(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples),
+                env_tokens=sum(len(s["completion_ids"]) - len(m) for s, m in zip(samples, model)),
+                turns=sum(int(s.get("turns", 1)) for s in samples),  # (benches' samples: 1 turn)
                 lag_sum=lags.sum(), lag_tokens=len(lags), pos_tokens=np.bincount(pos, minlength=P),
                 pos_lag_sum=np.bincount(pos, weights=lags, minlength=P))
     # Sync: one all-reduce for every summed statistic (keys sorted: the same order on every rank),
@@ -523,6 +527,7 @@ def step_metrics(s, grad_norm, lag_min, lag_max, train_s, n_mb, state, skipped) 
                "reward_mean": s["reward_sum"] / max(s["sequences"], 1), "tokens": s["tokens"],
                "tokens_per_s": s["all_tokens"] / train_s, "train_s": train_s, "micro_batches": n_mb,
                "malformed": s["malformed"], "discarded": s["discarded"],
+               "env_tokens": s["env_tokens"], "turns_mean": s["turns"] / max(s["sequences"], 1),
                "trained_sequences": s["trained_sequences"],
                "skipped_steps": state.skipped, "step_skipped": int(skipped)}
     # Paper Fig. 7: off-policyness by lag (an absent bucket had no tokens).

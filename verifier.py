@@ -143,7 +143,7 @@ def complete(state: State, key):
     members = [group["scored"][i] for i in range(group["size"])]
     rewards = [h["reward"] for h, _ in members]
     if key[0]:  # an evaluation pass over the test split (actor.py, simplification 3)
-        versions = np.concatenate([a["versions"] for _, a in members])
+        versions = np.concatenate([a["versions"][a["versions"] >= 0] for _, a in members])
         version_range = [int(versions.min(initial=key[1])), int(versions.max(initial=key[1]))]
         eval_s = max(h["t_end"] for h, _ in members) - min(h["t_start"] for h, _ in members)
         record = {"version": key[1], "versions": version_range, "time": time.time(),

@@ -15,6 +15,7 @@ lines and the metrics lines left out).
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,7 +102,9 @@ def main(argv=None):
         named = []
         for path in sorted((run_dir / "logs").glob("*.log")):
             for line in path.read_text(errors="replace").splitlines():
-                if any(w in line for w in words) and "pid=" not in line and "step " not in line:
+                # (not a metrics line, "[role] step N k=v ...", nor a start-up line naming a pid)
+                progress = re.match(r"\[\w+\] step \d+ ", line)
+                if any(w in line for w in words) and "pid=" not in line and not progress:
                     named.append(f"{path.name}: {line.strip()[:300]}")
         runsh = [line.strip() for line in log.read_text(errors="replace").splitlines()
                  if "exited" in line or "FAILED" in line or "starting it again" in line]

@@ -10,7 +10,8 @@ ledger's journal, ledger.jsonl (elastic.py: every ticket issued, forwarded, trai
 given back, and every hello).
 
   lag      every trained token has 0 <= lag <= bound, lag = the trainer's version - the version
-           that sampled it; bound = actor.max_lag (pipeline), actor.G_steps - 1 (conventional)
+           that sampled it; bound = actor.max_lag (pipeline), actor.G_steps - 1 (conventional); an
+           environment's tokens (version -1, envs.py) are not the model's: counted apart
   steps    steps 1..N each once on every trainer rank of its epoch; a finished run ends at its last
   groups   judged by copy (ticket): every trained ticket has actor.group_size samples, sample_idx
            0..group_size-1 once each, across ranks, all in one step; no group id trained by two
@@ -61,17 +62,21 @@ def check_lag(kept: list, actor: dict) -> tuple:
     conventional = actor["schedule"] == "conventional"
     bound = actor["G_steps"] - 1 if conventional else actor["max_lag"]
     source = "actor.G_steps - 1" if conventional else "actor.max_lag"
-    tokens, lags, problems = 0, set(), []
+    tokens, env_tokens, lags, problems = 0, 0, set(), []
     for r in kept:
         for k, runs in enumerate(r["version_runs"]):
             for v, n in runs:
+                if v == -1:
+                    env_tokens += n
+                    continue
                 lag = r["trainer_version"] - v
                 tokens += n
                 lags.add(lag)
                 if not 0 <= lag <= bound:
                     problems.append(f"{where(r, k)}: lag {lag} ({n} token{'s' * (n != 1)})")
     seen = f"lag {min(lags)}..{max(lags)}" if lags else "no lag"
-    return verdict("lag", problems, f"{tokens} tokens, {seen}, bound {bound} ({source})")
+    env = f", {env_tokens} environment tokens" if env_tokens else ""
+    return verdict("lag", problems, f"{tokens} tokens{env}, {seen}, bound {bound} ({source})")
 
 
 def check_steps(kept: list, finished_at) -> tuple:

@@ -25,6 +25,7 @@ from conftest import REPO, Owner, budget_of, free_port, fsdp_manifest, read_json
 
 import actor
 import common
+import envs
 import weights_sync as ws
 from scripts import engine_setup, telemetry
 
@@ -243,6 +244,130 @@ def test_engines_of_one_process_draw_their_own_noise(env):
     first, other = env["firsts"]
     assert len(first) == len(other) == 48
     assert first != other
+
+
+# --- episodes (envs.py): one exact token stream, weights updated mid-episode ---------------------------
+
+class Echo(envs.Env):
+    """A turn ends at `stop`; the environment answers `answer`, and after `turns` answers is done. `gate`, an
+    asyncio.Event: each step waits for it (the test loads new weights meanwhile)."""
+
+    def __init__(self, stop, answer="xy\n", gate=None):
+        super().__init__(None)
+        self.stop, self.answer, self.gate, self.turns = stop, answer, gate, []
+
+    async def step(self, turn):
+        self.turns.append(turn)
+        if self.gate is not None:
+            await self.gate.wait()
+        return envs.Step(self.answer, reward=0.5)
+
+
+def episode(env_, environment, max_turns=3, max_tokens=40, on_turn=None):
+    """actor.run_episode on the test engine at temperature 1, recording what the engine was given and
+    generated each turn (actor.generate's own dict: vLLM's prompt_token_ids and token_ids)."""
+    from vllm import SamplingParams
+    cfg = env_["cfg"]
+    cfg = common.load_config([f"{k}={v}" for k, v in {"actor.max_turns": max_turns, "actor.max_tokens": max_tokens,
+                                                        "model.path": cfg.model_path, "run.dir": cfg.run_dir}.items()])
+    seen, real = [], actor.generate
+
+    async def recording(engine, prompt, params, request_id, priority=0):
+        r = await real(engine, prompt, params, request_id, priority)
+        seen.append(r)
+        if on_turn is not None:
+            await on_turn(len(seen))
+        return r
+    params = SamplingParams(temperature=1.0, logprobs=0, flat_logprobs=True, detokenize=False)
+    actor.generate = recording
+    try:
+        r = env_["loop"].run_until_complete(actor.run_episode(
+            env_["engine"], environment, {"prompt_token_ids": [1, 2, 3]}, params, f"ep-{time.monotonic_ns()}",
+            0, cfg, env_["engine"].get_tokenizer(), None, contextlib.nullcontext))
+    finally:
+        actor.generate = real
+    return r, seen
+
+
+def test_an_episode_is_what_the_engine_generated_and_the_environment_returned_id_for_id(env):
+    """The model (constant: byte 0x80, an invalid UTF-8 byte on its own) ends each turn with that token, the
+    environment answers "xy\n" three times. The trained ids are, id for id, each turn's generated ids and the
+    environment's; each turn's engine input is the prompt and everything before it, as ids. Re-tokenizing the
+    history's text would turn each 0x80 into U+FFFD's three bytes and fail both checks."""
+    tok = env["engine"].get_tokenizer()
+    weird = 128
+    load(env, constant_model(env["sd"], weird, seed=3))
+    environment = Echo(stop=(tok.convert_ids_to_tokens(weird),))
+    r, seen = episode(env, environment)
+    answer = tok("xy\n", add_special_tokens=False)["input_ids"]
+    assert [s["completion_ids"].tolist() for s in seen] == [[weird]] * 3
+    assert r["completion_ids"].tolist() == [weird, *answer, weird, *answer, weird] and r["turns"] == 3
+    stream = [1, 2, 3]
+    for s in seen:  # what the engine saw each turn: the episode so far, exactly
+        assert s["prompt_ids"].tolist() == stream
+        stream += s["completion_ids"].tolist() + answer
+    assert tok(tok.decode(r["completion_ids"]), add_special_tokens=False)["input_ids"] != r["completion_ids"].tolist()
+    env_tokens = r["versions"] == -1
+    assert env_tokens.tolist() == [False, True, True, True, False, True, True, True, False]
+    assert (r["logprobs"][env_tokens] == 0).all() and r["env_reward"] == 1.0  # two answered steps of 0.5
+    assert len(environment.turns) == 2  # the third turn is the last (actor.max_turns): no step after it
+    common.decode(common.encode({"group_id": 0, "sample_idx": 0, "group_size": 1, "task": "calc", "answer": "1",
+                                 "finish_reason": r["finish_reason"], "t_start": 0.0, "t_end": 1.0, "ticket": 1,
+                                 "epoch": 1, "eval": False, "turns": r["turns"], "env_reward": r["env_reward"]},
+                                {n: r[n] for n in common.SCHEMAS["rollout"][1]}), "rollout")  # a valid rollout
+
+
+def test_weights_updated_mid_episode_label_each_turn_and_the_trainer_masks_the_environment(env):
+    """Model A ('a') takes turn 1; while the environment answers, model B ('b') is loaded in flight; turn 2 is
+    B's. Each model token carries the version that sampled it, the environment's -1; the trainer's lags and
+    mask count the model's tokens only, so every trained token's lag is its own."""
+    import trainer
+    tok = env["engine"].get_tokenizer()
+    a, b = env["ids"]["a"], env["ids"]["b"]
+    v_a = load(env, env["A"])
+    gate = asyncio.Event()
+    versions = {}
+
+    async def between(turn):
+        if turn == 1:  # the environment waits on the gate: new weights now, then let it answer
+            th, versions["b"] = env["trainer"].send_async(env["B"])
+            await actor.update_weights([env["engine"]], versions["b"], False, 60)
+            th.join()
+            gate.set()
+    environment = Echo(stop=("a", "b"), gate=gate)
+    r, seen = episode(env, environment, max_turns=2, on_turn=between)
+    answer = tok("xy\n", add_special_tokens=False)["input_ids"]
+    assert r["completion_ids"].tolist() == [a, *answer, b]
+    assert r["versions"].tolist() == [v_a, -1, -1, -1, versions["b"]] and versions["b"] > v_a
+    sample = {**r, "advantage": 1.0}
+    x = trainer.collate([sample], versions["b"] + 1, torch.device("cpu"))
+    P = len(r["prompt_ids"])
+    mask = x["mask"][0, P - 1:P - 1 + len(r["completion_ids"])]
+    assert mask.tolist() == [True, False, False, False, True]  # the environment's tokens carry no loss
+    assert x["lags"][0, P - 1:P - 1 + 5][mask].tolist() == [versions["b"] + 1 - v_a, 1]
+
+
+def test_an_environment_that_hangs_or_raises_gives_an_error_observation(env):
+    """A step past actor.step_timeout_s, or one that raises, is an observation the model reads; the episode
+    goes on to its turn budget."""
+    class Broken(envs.Env):
+        stop = ("a",)
+
+        async def step(self, turn):
+            raise RuntimeError("the tool crashed")
+
+    class Hung(envs.Env):
+        stop = ("a",)
+
+        async def step(self, turn):
+            await asyncio.sleep(3600)
+    load(env, env["A"])
+    tok = env["engine"].get_tokenizer()
+    for environment, said in ((Broken(None), "[error: RuntimeError: the tool crashed]\n"),
+                              (Hung(None), "[error: the environment gave no answer in 5 s]\n")):
+        r, _ = episode(env, environment, max_turns=2, max_tokens=200)
+        text = tok.decode(r["completion_ids"])
+        assert text == "a" + said + "a" and r["turns"] == 2, text
 
 
 # --- in-flight weight update ----------------------------------------------------------------------------

@@ -128,7 +128,8 @@ def test_wandb_offline_mirror(tmp_path, monkeypatch):
 
 def _rollout(n=5):
     header = {"group_id": 3, "sample_idx": 1, "group_size": 8, "task": "arithmetic", "answer": "42",
-              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "ticket": 1, "epoch": 1, "eval": False}
+              "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "ticket": 1, "epoch": 1, "eval": False,
+              "turns": 1, "env_reward": 0.0}
     arrays = {"prompt_ids": np.arange(4, dtype=np.int32), "completion_ids": np.arange(n, dtype=np.int32),
               "logprobs": -np.ones(n, dtype=np.float32), "versions": np.zeros(n, dtype=np.int32)}
     return header, arrays
@@ -179,6 +180,17 @@ def test_wire_malformed_raises_wire_error_only():
         "array outside the schema": common.encode(h, {**a, "advantage": np.zeros(1, np.float32)}),
         "id over int32": common.encode({**h, "group_id": 2**31}, a),
     }
+    # episodes (envs.py): the model's tokens (version >= 0) and the environment's (version -1, logprob 0)
+    episode = {**a, "versions": np.array([0, 0, -1, -1, 1], np.int32),
+               "logprobs": np.array([-1, -1, 0, 0, -1], np.float32)}
+    assert common.decode(common.encode(h, episode), "rollout")[1]["versions"].tolist() == [0, 0, -1, -1, 1]
+    cases.update({
+        "environment token first": common.encode(h, {**episode, "versions": np.array([-1, 0, -1, -1, 1], np.int32),
+                                                     "logprobs": np.array([0, -1, 0, 0, -1], np.float32)}),
+        "environment token with a logprob": common.encode(h, {**episode, "logprobs": -np.ones(5, np.float32)}),
+        "model versions going back": common.encode(h, {**episode, "versions": np.array([1, 1, -1, -1, 0], np.int32)}),
+        "version below -1": common.encode(h, {**episode, "versions": np.array([0, 0, -2, -2, 1], np.int32)}),
+    })
     for name, frames in cases.items():
         with pytest.raises(WireError):
             common.decode(frames, "rollout")

@@ -99,7 +99,8 @@ def _samples(ticket, group_id, order, verifier, epoch):
     for i in range(G):
         header = {"group_id": group_id, "sample_idx": i, "group_size": G, "task": "arithmetic", "answer": "3",
                   "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "ticket": ticket, "epoch": epoch,
-                  "eval": False, "reward": float(i), "status": "correct", "advantage": i - 0.5,
+                  "eval": False, "turns": 1, "env_reward": 0.0, "reward": float(i), "status": "correct",
+                  "advantage": i - 0.5,
                   "verifier": verifier, "order": order}
         arrays = {"prompt_ids": np.array([1, 2], np.int32), "completion_ids": np.array([3, 4, 5], np.int32),
                   "logprobs": np.full(3, -4.0, np.float32), "versions": np.zeros(3, np.int32)}

@@ -14,7 +14,7 @@ import tokenize
 from conftest import REPO
 
 ALGORITHM = ["actor.py", "trainer.py", "verifier.py", "weights_sync.py", "loss.py"]
-CORE = ALGORITHM + ["common.py", "tasks.py", "elastic.py", "corrections.py"]
+CORE = ALGORITHM + ["common.py", "tasks.py", "elastic.py", "corrections.py", "envs.py"]
 # "the whole algorithm in ~2k lines": the five role files; with what the roles share (common.py, tasks.py)
 # and how a run survives a role's death or hang (elastic.py), the core. What is not the algorithm lives
 # under scripts/ (engine set-up, checkpoints, ranks, telemetry, the run directory's readers). Before

@@ -543,7 +543,7 @@ def _sample(n, k, version, ticket, group_id, verifier, order, epoch, advantage=N
     P, C = int(rng.integers(1, 6)), int(rng.integers(1, 10))
     header = {"group_id": group_id, "sample_idx": k, "group_size": 2, "task": "arithmetic", "answer": "3",
               "finish_reason": "stop", "t_start": 0.0, "t_end": 1.0, "ticket": ticket, "epoch": epoch,
-              "eval": False, "reward": float(k), "status": "correct",
+              "eval": False, "turns": 1, "env_reward": 0.0, "reward": float(k), "status": "correct",
               "advantage": float(k) - 0.5 if advantage is None else advantage, "verifier": verifier,
               "order": order}
     arrays = {"prompt_ids": rng.integers(0, vocab, P).astype(np.int32),

@@ -240,7 +240,7 @@ def rollout(tok, group_id, sample_idx, group_size, task, answer, text, eos=True,
     n = len(ids)
     header = {"group_id": group_id, "sample_idx": sample_idx, "group_size": group_size, "task": task,
               "answer": answer, "finish_reason": "stop", "t_start": 1.0, "t_end": 2.0, "ticket": ticket,
-              "epoch": 1, "eval": False}
+              "epoch": 1, "eval": False, "turns": 1, "env_reward": 0.0}
     arrays = {"prompt_ids": np.array([1, 2, 3], np.int32), "completion_ids": np.array(ids, np.int32),
               "logprobs": -np.arange(1, n + 1, dtype=np.float32) / 8,
               "versions": np.full(n, 7 + group_id, np.int32)}

@@ -37,7 +37,7 @@ def valid(rng: random.Random, kind: str):
               "group_size": size, "task": rng.choice(["arithmetic", "math"]),
               "answer": str(rng.randrange(100)),
               "finish_reason": "stop", "t_start": 1.0, "t_end": 2.5, "ticket": rng.randrange(100, 103),
-              "epoch": 1, "eval": rng.random() < 0.2}
+              "epoch": 1, "eval": rng.random() < 0.2, "turns": 1, "env_reward": 0.0}
     if kind == "sample":
         header.update(reward=float(rng.choice([0, 1])), status="correct",
                       advantage=rng.uniform(-1, 1), verifier=1, order=n)  # no draw: the stream stays

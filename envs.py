@@ -1,0 +1,105 @@
+"""Environments: what answers the model between its turns. Every sample is an episode (actor.py,
+`run_episode`): the model generates until its turn ends (a stop token of the environment's protocol,
+its end-of-sequence token, or the token budget), the environment answers, its answer's tokens are
+appended to the episode as token ids (tokenized alone, never the history again: what the engine saw
+is what is trained), and the model goes on, until the environment says done or actor.max_turns or
+actor.max_tokens runs out. A single-turn task is an episode of one turn (`SingleTurn`).
+
+The interface, for your own environment (one instance per episode):
+
+    class MyEnv(Env):
+        stop = ("</tool_call>",)            # tokens that end a model turn, as the vocabulary spells them
+        async def step(self, turn) -> Step:  # the model's turn as text
+            return Step(observation="...", reward=0.0, done=False)
+
+`step` may await (a tool, a sandbox, a remote service): the actor's loop runs on meanwhile. Each
+call is bounded by actor.step_timeout_s: a step that raises or hangs gives the episode an error
+observation, never a hang. A reward is optional, per step: their sum travels with the sample
+(`env_reward`); the verifier's reward is its grade of the final answer (tasks.score).
+actor.step_latency_s = [lo, hi] delays each step by a time drawn log-uniform in [lo, hi] (a tool's
+latency, for experiments; 0: none).
+"""
+import ast
+import asyncio
+import math
+import random
+from dataclasses import dataclass
+
+@dataclass(frozen=True)
+class Step:
+    observation: str       # appended to the episode as its own tokens ("" for none)
+    reward: float = 0.0
+    done: bool = False
+
+
+class Env:
+    """One episode's environment. `reset(problem)` (optional) sees the problem first."""
+    stop: tuple = ()
+
+    def __init__(self, problem):
+        self.problem = problem
+
+    async def step(self, turn: str) -> Step:
+        raise NotImplementedError
+
+
+class SingleTurn(Env):
+    """Every single-turn task: one turn, then done; the verifier grades the answer."""
+
+    async def step(self, turn: str) -> Step:
+        return Step("", 0.0, True)
+
+
+class Calculator(Env):
+    """data.task=calc: the model may end a turn with `=` after an arithmetic expression (its last
+    line); the tool answers with the value and a newline. A turn that ends otherwise is the answer."""
+    stop = ("=",)
+
+    async def step(self, turn: str) -> Step:
+        if not turn.endswith("="):
+            return Step("", 0.0, True)
+        return Step(f"{evaluate(turn[:-1].rsplit(chr(10), 1)[-1])}\n")
+
+
+def evaluate(expression: str) -> str:
+    """An integer expression of + - * and parentheses, at most 40 characters -> its value, else
+    "?" (parsed by Python's ast, evaluated node by node: nothing else is ever run)."""
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+
+    def value(node):
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        raise ValueError
+
+    try:
+        if len(expression) > 40:
+            raise ValueError
+        result = value(ast.parse(expression.strip(), mode="eval").body)
+        return str(result) if abs(result) < 10**18 else "?"
+    except (ValueError, SyntaxError):
+        return "?"
+
+
+ENVS = {"calc": Calculator}
+
+
+def make(problem) -> Env:
+    """The environment of `problem`'s task (SingleTurn unless one is registered in ENVS)."""
+    return ENVS.get(problem.task, SingleTurn)(problem)
+
+
+async def bounded_step(env: Env, turn: str, timeout_s: float, latency: tuple = (0.0, 0.0),
+                       rng: random.Random = random) -> Step:
+    """env.step(turn) after the drawn latency, within timeout_s: an exception or a timeout is an
+    error observation and the episode goes on (the turn budget ends it)."""
+    lo, hi = latency
+    if hi > 0:
+        await asyncio.sleep(math.exp(rng.uniform(math.log(max(lo, 1e-3)), math.log(hi))))
+    try:
+        return await asyncio.wait_for(env.step(turn), timeout_s)
+    except asyncio.TimeoutError:
+        return Step(f"[error: the environment gave no answer in {timeout_s:g} s]\n")
+    except Exception as e:  # noqa: BLE001 - the environment's own bug: said to the model
+        return Step(f"[error: {type(e).__name__}: {e}]\n"[:500])
