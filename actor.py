@@ -199,10 +199,11 @@ async def run_episode(engine, env, prompt, params, request_id: str, priority: in
     """One sample, an episode (envs.py): the model's turns and the environment's answers as one
     token stream -> generate's dict over all of it, plus its turns and the environment's reward.
     Each turn continues from the episode's ids so far; the environment's tokens are appended as
-    ids (tokenized alone), with version -1 and logprob 0: the trainer masks them. A turn ends at one
-    of the environment's stop tokens, the model's end, or the budget: actor.max_tokens for the
-    episode's completion, actor.max_turns for its turns. `busy()`: the engine's hang check counts
-    this episode while a turn generates, not while the environment answers."""
+    ids (tokenized alone), with version -1 and logprob 0: the trainer masks them. A turn that ends
+    at one of the environment's stop tokens goes to the environment; one that ends otherwise (the
+    model's end of sequence, the budget: actor.max_tokens for the episode's completion,
+    actor.max_turns for its turns) ends the episode. `busy()`: the engine's hang check counts this
+    episode while a turn generates, not while the environment answers."""
     a, ids = cfg.actor, list(prompt["prompt_token_ids"])
     stop_ids = [tokenizer.convert_tokens_to_ids(s) for s in env.stop]
     if any(i is None or tokenizer.convert_ids_to_tokens(i) != s
@@ -211,14 +212,17 @@ async def run_episode(engine, env, prompt, params, request_id: str, priority: in
                          "model's vocabulary, spelled as the vocabulary spells it")
     parts, used, reward, t_start = [], 0, 0.0, time.time()
     for turn in range(1, a.max_turns + 1):
-        turn_params = params.clone()
-        turn_params.max_tokens, turn_params.stop_token_ids = a.max_tokens - used, stop_ids
+        turn_params = params  # a single-turn task's: as given (max_tokens: actor.max_tokens)
+        if stop_ids:  # this turn's budget and the environment's stop tokens
+            turn_params = params.clone()
+            turn_params.max_tokens, turn_params.stop_token_ids = a.max_tokens - used, stop_ids
         with busy():
             r = await generate(engine, {"prompt_token_ids": ids}, turn_params,
                                f"{request_id}-{turn}", priority)
         parts.append(r)
         ids, used = ids + r["completion_ids"].tolist(), used + len(r["completion_ids"])
-        if r["finish_reason"] == "length" or used >= a.max_tokens or turn == a.max_turns:
+        ended = r["completion_ids"][-1:].tolist()
+        if not set(ended) & set(stop_ids) or used >= a.max_tokens or turn == a.max_turns:
             break
         step = await envs.bounded_step(env, tokenizer.decode(r["completion_ids"]),
                                        a.step_timeout_s, tuple(a.step_latency_s), rng)
@@ -418,8 +422,10 @@ class Actor:
 
     def check_engines(self):
         """An engine with requests in flight and no decode step for run.hang_timeout_s, outside a
-        weight update (whose calls have bounds of their own), is hung: EngineHung."""
-        if self.updating is not None and not self.updating.done():
+        weight update (whose calls have bounds of their own) and while in a weight roster, is hung:
+        EngineHung. Out of a roster (a receive cut short) the engines stay paused until the next
+        roster's weights, which restart the count (`take_weights`)."""
+        if (self.updating is not None and not self.updating.done()) or self.st.roster is None:
             return
         bound, now = self.cfg.run.hang_timeout_s, time.time()
         for e, clock in enumerate(self.clocks):
@@ -672,7 +678,7 @@ class Actor:
                       "t_end": r["t_end"], "eval": evaluation, "turns": r["turns"],
                       "env_reward": r["env_reward"]}
             arrays = {n: r[n] for n in common.SCHEMAS["rollout"][1]}
-            self.note(engine_tokens=len(r["completion_ids"]))
+            self.note(engine_tokens=int((r["versions"] >= 0).sum()))  # the model's, not the tool's
             if evaluation:
                 await self.push.send_multipart(common.encode(header, arrays), copy=False)
                 return

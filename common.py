@@ -64,7 +64,7 @@ MINIMUMS = {"run": dict(seed=0, log_every=0, max_restarts=0),
                             weight_decay=0),
             "verifier": dict(workers=1, max_chars=1, overlong_buffer=0, overlong_penalty=0),
             "data": dict(test_size=1),
-            "sync": dict(port=1, verify_every=0),
+            "sync": dict(port=1, verify_every=0, send_every=1),
             "ports": dict(rollouts=1, samples=1, ledger=1)}
 POSITIVE = {"run": ("peer_timeout_s", "heartbeat_timeout_s", "hang_timeout_s", "restart_s"),
             "actor": ("temperature", "top_p", "kv_cache_gb", "gpu_memory_utilization",
@@ -190,6 +190,10 @@ def _rules(cfg: Config):
     yield (conventional and a.max_lag < a.G_steps - 1, f"actor.max_lag={a.max_lag} < "
            f"actor.G_steps-1={a.G_steps - 1}: conventional RL trains G_steps batches on one "
            f"version, so its lag reaches G_steps-1")
+    yield (cfg.sync.send_every > 1 and (conventional or a.max_lag < cfg.sync.send_every - 1),
+           f"sync.send_every={cfg.sync.send_every}: forced staleness is for actor.schedule=pipeline "
+           f"with actor.max_lag >= send_every - 1 (now {a.max_lag}); the lag budget would send "
+           "sooner otherwise")
     yield (a.schedule == "pipeline" and a.G_steps != 1,
            "actor.G_steps applies to actor.schedule=conventional only; leave it at 1")
     yield (d.task == "math" and not d.train_path,

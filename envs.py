@@ -8,16 +8,17 @@ actor.max_tokens runs out. A single-turn task is an episode of one turn (`Single
 The interface, for your own environment (one instance per episode):
 
     class MyEnv(Env):
-        stop = ("</tool_call>",)            # tokens that end a model turn, as the vocabulary spells them
-        async def step(self, turn) -> Step:  # the model's turn as text
+        stop = ("</tool_call>",)   # tokens that end a turn, as the vocabulary spells them
+        async def step(self, turn) -> Step:   # the model's turn as text
             return Step(observation="...", reward=0.0, done=False)
 
-`step` may await (a tool, a sandbox, a remote service): the actor's loop runs on meanwhile. Each
-call is bounded by actor.step_timeout_s: a step that raises or hangs gives the episode an error
-observation, never a hang. A reward is optional, per step: their sum travels with the sample
-(`env_reward`); the verifier's reward is its grade of the final answer (tasks.score).
-actor.step_latency_s = [lo, hi] delays each step by a time drawn log-uniform in [lo, hi] (a tool's
-latency, for experiments; 0: none).
+A turn that ends at a stop token goes to `step`; one that ends otherwise (the model's end of
+sequence, the budget) ends the episode. `step` may await (a tool, a sandbox, a remote service): the
+actor's loop runs on meanwhile. Each call is bounded by actor.step_timeout_s: a step that raises or
+hangs gives the episode an error observation, never a hang. A reward is optional, per step: their
+sum travels with the sample (`env_reward`); the verifier's reward is its grade of the final answer
+(tasks.score). actor.step_latency_s = [lo, hi] delays each step by a time drawn log-uniform in
+[lo, hi] (a tool's latency, for experiments; 0: none).
 """
 import ast
 import asyncio
@@ -44,7 +45,8 @@ class Env:
 
 
 class SingleTurn(Env):
-    """Every single-turn task: one turn, then done; the verifier grades the answer."""
+    """Every single-turn task: no stop token, so its one turn ends the episode; the verifier grades
+    the answer."""
 
     async def step(self, turn: str) -> Step:
         return Step("", 0.0, True)
@@ -52,7 +54,8 @@ class SingleTurn(Env):
 
 class Calculator(Env):
     """data.task=calc: the model may end a turn with `=` after an arithmetic expression (its last
-    line); the tool answers with the value and a newline. A turn that ends otherwise is the answer."""
+    line); the tool answers with the value and a newline. A turn that ends otherwise is the
+    answer."""
     stop = ("=",)
 
     async def step(self, turn: str) -> Step:

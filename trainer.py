@@ -553,7 +553,12 @@ def send_weights(state, server, store, cfg, wait=False) -> float:
     t0 = time.time()
     wait = wait or not cfg.sync.async_send
     busy = float(server is not None and not wait and server.lock.locked())
-    if all_max([busy], state.fsdp.device)[0]:  # sync: every rank follows rank 0's choice
+    if server is not None and wait:
+        # the broadcast on the wire first (a stopped engine holds it until its roster is given
+        # up): the other ranks wait for rank 0 in the all-reduce below, re-arming their watchdogs
+        server.wait_idle()
+    # sync: every rank follows rank 0's choice
+    if all_max([busy], state.fsdp.device, progress=state.progress)[0]:
         return time.time() - t0
     if cfg.sync.verify_every and state.step % cfg.sync.verify_every == 0:
         probe = probe_logprobs(state, cfg)  # all ranks; the actor checks its engines against it
@@ -832,10 +837,11 @@ def main():
         metrics = train_step(state, samples, cfg)  # trains version state.step, makes state.step + 1
         if is_main():  # the ledger's count and version move together; done before any checkpoint
             report(ledger, state, groups, [])
-        # The weights go out in pipeline mode after every applied step; conventional: once per RL
-        # step (G_steps steps), even when its last step was skipped (the actor waits for this
-        # broadcast to start the next RL step).
-        due = state.step % cfg.actor.G_steps == 0 and (conventional or not metrics["step_skipped"])
+        # The weights go out in pipeline mode after every applied step (every sync.send_every-th:
+        # forced staleness); conventional: once per RL step (G_steps steps), even when its last
+        # step was skipped (the actor waits for this broadcast to start the next RL step).
+        due = state.step % (cfg.actor.G_steps * cfg.sync.send_every) == 0 and (
+            conventional or not metrics["step_skipped"])
         broadcast_s = send_weights(state, server, store, cfg, wait=conventional) if due else 0.0
         now = time.time()
         # busy: the time this step did not wait for samples / its wall (scripts/launch.py:

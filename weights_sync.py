@@ -307,6 +307,14 @@ class WeightServer:
             self.lock.release()
         self.wake.set()
 
+    def wait_idle(self):
+        """Until no broadcast is on the wire, at most sync.timeout_s, re-arming the watchdog (a
+        broadcast waits on the actors, not on this rank)."""
+        deadline = time.monotonic() + self.cfg.sync.timeout_s
+        while self.lock.locked() and time.monotonic() < deadline:
+            self.made_progress()
+            time.sleep(0.01)
+
     def made_progress(self):
         if self.progress is not None:
             self.progress.made()

@@ -188,6 +188,9 @@ def plot(run_dir: Path, report: list, path: Path):
     fig.savefig(path, dpi=120)
 
 
+SYNC_TIMEOUT_S = 60.0  # the soak's sync.timeout_s (config.yaml's)
+
+
 def bound_for(kind: str, actors: int, heartbeat_s: float, hang_s: float) -> tuple:
     """(seconds, what) training may stand still after this fault: the time to find it, and to start
     the role again (an engine's start, a checkpoint's load) where nothing else can go on meanwhile."""
@@ -204,8 +207,11 @@ def bound_for(kind: str, actors: int, heartbeat_s: float, hang_s: float) -> tupl
     if actors >= 2 and kind in ("actor", "actor_stop"):
         return heartbeat_s + 30.0, "actor with a survivor: run.heartbeat_timeout_s + a new roster"
     if actors >= 2 and kind == "engine_stop":
-        return hang_s + heartbeat_s + 30.0, ("engine stopped, a survivor: run.hang_timeout_s + "
-                                             "run.heartbeat_timeout_s + a new roster")
+        # an engine stopped while its actor joins a roster answers no decode-step check (it has no
+        # requests yet): the broadcast waiting on it fails at sync.timeout_s (a soak: 69.8 s)
+        return max(hang_s, SYNC_TIMEOUT_S) + heartbeat_s + 30.0, (
+            "engine stopped, a survivor: run.hang_timeout_s (sync.timeout_s if it was joining a "
+            "roster) + run.heartbeat_timeout_s + a new roster")
     if kind in ("engine_stop", "actor_stop"):
         return hang_s + 180.0, "the only actor stopped: run.hang_timeout_s + an engine's start"
     return 180.0, "no actor left: an engine's start"
@@ -243,6 +249,7 @@ def main(argv=None):
            "trainer.checkpoint_every": 10, "trainer.nproc": a.nproc, "verifier.workers": a.workers,
            "run.max_restarts": a.kills + 1, "run.heartbeat_timeout_s": heartbeat_s,
            "run.hang_timeout_s": hang_s, "run.peer_timeout_s": 300, "run.log_every": 0.5,
+           "sync.timeout_s": SYNC_TIMEOUT_S,
            "sync.port": free_port(), "ports.rollouts": free_port(), "ports.samples": free_port(),
            "ports.ledger": free_port(),
            "trainer.cpu_cores": "1", "verifier.cpu_cores": "1", "actor.cpu_cores": "0"}

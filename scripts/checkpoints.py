@@ -42,7 +42,7 @@ def save(state, cfg, tokenizer=None) -> Path:
     if is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    barrier()  # sync: the directory exists before any rank writes into it
+    barrier(state.progress)  # sync: the directory exists before any rank writes into it
     optim = tmp / f"optim-rank{rank()}.pt"
     rng = {"rng_cuda": torch.cuda.get_rng_state()} if state.fsdp.device.type == "cuda" else {}
     torch.save({**state.fsdp.state_dict(), "rng_cpu": torch.get_rng_state(), **rng,
@@ -71,7 +71,7 @@ def save(state, cfg, tokenizer=None) -> Path:
              "samples": state.samples, "skipped": state.skipped, "world_size": world(),
              "epoch": state.epoch,
              "time": time.time()}))
-    barrier()  # sync: every rank's optimizer shard is on disk before COMPLETE
+    barrier(state.progress)  # sync: every rank's optimizer shard is on disk before COMPLETE
     if is_main():
         for f in tmp.iterdir():
             _fsync(f)
@@ -82,7 +82,7 @@ def save(state, cfg, tokenizer=None) -> Path:
         _fsync(root)
         for d in rundir.complete_checkpoints(root)[:-cfg.trainer.keep_checkpoints]:
             shutil.rmtree(d, ignore_errors=True)
-    barrier()  # sync: nobody reads checkpoints or exits before the rename
+    barrier(state.progress)  # sync: nobody reads checkpoints or exits before the rename
     return final
 
 

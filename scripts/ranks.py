@@ -6,11 +6,12 @@ every rank calls it, in the same order.
     init_distributed(timeout_s)   the process group and this rank's device
     rank(), world(), is_main()    this rank, the number of ranks, whether this is rank 0
     all_reduce(t, op)             in place, over all ranks
-    all_max(values, device)       element-wise maxima over all ranks (sync)
+    all_max(values, device, ...)  element-wise maxima over all ranks (sync; a wait may re-arm the watchdog)
     all_gather_ints(values, dev)  every rank's list of non-negative ints, in rank order (sync)
-    barrier()                     (sync)
+    barrier(progress)             (sync; the wait may re-arm the watchdog)
 """
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -46,9 +47,21 @@ def all_reduce(t, op=dist.ReduceOp.SUM):
     return t
 
 
-def all_max(values: list, device, dtype=None) -> list:
-    """The element-wise maxima of `values` over all ranks (sync: one all-reduce)."""
-    return all_reduce(torch.tensor(values, dtype=dtype, device=device), dist.ReduceOp.MAX).tolist()
+def all_max(values: list, device, dtype=None, progress=None) -> list:
+    """The element-wise maxima of `values` over all ranks (sync: one all-reduce). With `progress`
+    (this rank's watchdog timer, elastic.Progress) the wait re-arms it: a rank held here waits on
+    another rank, which its own timer watches, and is not hung itself."""
+    t = torch.tensor(values, dtype=dtype, device=device)
+    if world() > 1:
+        _wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), progress)
+    return t.tolist()
+
+
+def _wait(work, progress):
+    while progress is not None and not work.is_completed():
+        progress.made()
+        time.sleep(0.005)
+    work.wait()
 
 
 def all_gather_ints(values: list, device) -> list:
@@ -60,6 +73,8 @@ def all_gather_ints(values: list, device) -> list:
     return [[i for i in row.tolist() if i >= 0] for row in all_reduce(rows, dist.ReduceOp.MAX)]
 
 
-def barrier():
+def barrier(progress=None):
+    """(sync) With `progress`, as all_max: the wait for the other ranks re-arms this rank's timer
+    (rank 0 writes a checkpoint's model while the others wait here)."""
     if world() > 1:
-        dist.barrier()
+        _wait(dist.barrier(async_op=True), progress)

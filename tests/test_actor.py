@@ -246,6 +246,23 @@ def test_engines_of_one_process_draw_their_own_noise(env):
     assert first != other
 
 
+def test_paused_engines_out_of_a_roster_are_not_counted_hung():
+    """A soak stopped trainer rank 0 mid-broadcast: each actor's receive was cut short, which leaves its
+    engines paused until the next roster's weights; the hang check then saw requests in flight and no
+    decode step for run.hang_timeout_s and both actors exited as hung, though nothing in them had failed.
+    Out of a roster the engines are not counted; in one, the same silence is a hang."""
+    from types import SimpleNamespace
+    cfg = common.load_config(["run.hang_timeout_s=15"])
+    stale = SimpleNamespace(last=lambda: time.time() - 60)  # the last decode step: a minute ago
+    fake = SimpleNamespace(cfg=cfg, updating=None, clocks=[stale], busy=[32], busy_since=[time.time() - 60],
+                           st=actor.ActorState())
+    fake.st.roster = None  # the receive was cut short: paused until the next roster
+    actor.Actor.check_engines(fake)
+    fake.st.roster = 3
+    with pytest.raises(actor.EngineHung, match="32 requests in flight and no decode step for 60 s"):
+        actor.Actor.check_engines(fake)
+
+
 # --- episodes (envs.py): one exact token stream, weights updated mid-episode ---------------------------
 
 class Echo(envs.Env):

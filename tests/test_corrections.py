@@ -12,6 +12,7 @@ import torch
 import common
 import corrections
 import loss as L
+from conftest import REPO
 
 # Two sequences, ratios ρ = π/μ per token (row 1's last token is padding):
 #   row 0: ρ = [1, 2, 8]      s_0 = (1·2·8)^(1/3) = 16^(1/3) ≈ 2.5198
@@ -127,3 +128,22 @@ def test_config_names_the_choices_and_refuses_bad_bounds(overrides, message):
     with pytest.raises(common.ConfigError) as e:
         common.load_config(overrides)
     assert message in str(e.value)
+
+
+def test_every_run_of_the_staleness_sweep_is_a_valid_config(tmp_path):
+    """bench/staleness_sweep.py's full tier (70 runs) and its longtail variant: each run's overrides load
+    (forced lag L: sync.send_every = L + 1 under actor.max_lag = L + 1), and a forced lag the lag budget
+    cannot hold is refused by name."""
+    import sys
+    sys.path.insert(0, str(REPO / "bench"))
+    import staleness_sweep as sweep
+    for task in ("arithmetic", "longtail"):
+        a = sweep.argparse.Namespace(task=task, steps=120, lr=1e-4, eval_every=20)
+        tier = sweep.TIERS["full"]
+        for lag in tier["lags"]:
+            for c in tier["corrections"]:
+                over = sweep.overrides(a, lag, c, 0, tmp_path / "run")
+                cfg = common.load_config([str(REPO / o) if o.endswith(".yaml") else o for o in over])
+                assert (cfg.sync.send_every, cfg.actor.max_lag, cfg.trainer.correction) == (lag + 1, lag + 1, c)
+    with pytest.raises(common.ConfigError, match="sync.send_every=9: forced staleness"):
+        common.load_config(["sync.send_every=9", "actor.max_lag=4"])

@@ -125,6 +125,38 @@ def _share(batch, world, rank):
     return batch[rank * n:(rank + 1) * n]
 
 
+class _Beats:
+    """A watchdog timer's side as elastic.Progress offers it: counts `made()`."""
+    def __init__(self):
+        self.count = 0
+
+    def made(self):
+        self.count += 1
+
+
+def _held_by_rank0(rank, world, port, tmp):
+    from scripts.ranks import all_max
+    _init(rank, world, port)
+    beats = _Beats()
+    if rank == 0:
+        time.sleep(2.0)  # as rank 0 waits for a broadcast to a stopped engine (trainer.send_weights)
+    t0 = time.time()
+    got = all_max([rank], CPU, progress=beats)
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps({"got": got, "beats": beats.count,
+                                                         "waited": time.time() - t0}))
+    dist.destroy_process_group()
+
+
+def test_a_rank_held_in_a_collective_by_another_re_arms_its_watchdog(tmp_path):
+    """A chaos soak stopped an actor's engine while trainer rank 0 waited for the broadcast to it: rank 1,
+    held meanwhile in a collective with rank 0, made no progress for run.hang_timeout_s, and its node's
+    watchdog killed both trainer ranks, which had not failed. The all-reduce rank 1 waits in now re-arms its
+    timer while it waits (rank 0 re-arms its own as it waits for the broadcast: WeightServer.wait_idle)."""
+    spawn(_held_by_rank0, 2, str(tmp_path))
+    held = json.loads((tmp_path / "rank1.json").read_text())
+    assert held["got"] == [1] and held["waited"] > 1.5 and held["beats"] > 50, held
+
+
 # --- FSDP equivalence ----------------------------------------------------------------------------------
 
 def _fsdp_worker(rank, world, port, tmp, batches):
@@ -638,19 +670,13 @@ def test_main_loop_with_fake_verifier_and_actor(tmp_path):
     push.close()
 
 
-@pytest.mark.parametrize("max_lag,versions", [(4, [0, 1, 3]), (0, [0, 1, 2, 3])])
-def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_path, max_lag, versions):
-    """main(): the second batch's advantages (3e38) overflow the gradient, so step 2 is skipped and its
-    (unchanged) weights are not broadcast: the actor receives versions 0, 1, 3. With actor.max_lag=0 the
-    actor could not start step 3's samples on version 1 (trainer.weights_owed): version 2 is sent before
-    them. A sample with a NaN advantage is dropped as malformed and counted (the wire format refuses
-    non-finite numbers)."""
+def _main_one_rank(tmp_path, *extra, advantage=lambda n, k: None):
+    """main() on one rank (every broadcast waited for: sync.async_send=false) against a FakeActor and a
+    FakeVerifier -> (the actor, the trainer's output), the trainer having exited 0."""
     model_dir, samples_port, push, stop = _model_and_socket(tmp_path)
     owner = Owner(tmp_path)
-    proc = _launch(tmp_path, model_dir, 1, owner, samples_port, "trainer.max_steps=3",
-                   "sync.async_send=false", f"actor.max_lag={max_lag}")
+    proc = _launch(tmp_path, model_dir, 1, owner, samples_port, "sync.async_send=false", *extra)
     actor = FakeActor(owner.cfg)
-    advantage = lambda n, k: 3e38 if 2 <= n < 4 else float("nan") if (n, k) == (4, 1) else None  # noqa: E731
     FakeVerifier(owner, actor, push, stop, advantage=advantage)
     try:
         out, _ = proc.communicate(timeout=150)
@@ -659,11 +685,31 @@ def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_pa
         push.close()
         owner.close()
     assert proc.returncode == 0, out
+    return actor, out
+
+
+@pytest.mark.parametrize("max_lag,versions", [(4, [0, 1, 3]), (0, [0, 1, 2, 3])])
+def test_skipped_step_is_not_broadcast_and_non_finite_samples_are_dropped(tmp_path, max_lag, versions):
+    """main(): the second batch's advantages (3e38) overflow the gradient, so step 2 is skipped and its
+    (unchanged) weights are not broadcast: the actor receives versions 0, 1, 3. With actor.max_lag=0 the
+    actor could not start step 3's samples on version 1 (trainer.weights_owed): version 2 is sent before
+    them. A sample with a NaN advantage is dropped as malformed and counted (the wire format refuses
+    non-finite numbers)."""
+    advantage = lambda n, k: 3e38 if 2 <= n < 4 else float("nan") if (n, k) == (4, 1) else None  # noqa: E731
+    actor, out = _main_one_rank(tmp_path, "trainer.max_steps=3", f"actor.max_lag={max_lag}", advantage=advantage)
     recs = [r for r in read_jsonl(tmp_path / "metrics_trainer.jsonl") if "trainer/loss" in r]
     assert [r["trainer/step_skipped"] for r in recs] == [0, 1, 0] and recs[-1]["trainer/skipped_steps"] == 1
     assert recs[-1]["trainer/malformed"] == 1
     actor.done.wait(30)
     assert actor.versions == versions, out
+
+
+def test_forced_staleness_broadcasts_every_kth_version(tmp_path):
+    """sync.send_every=2 (forced staleness, for the staleness sweep): of 5 steps the actor receives versions
+    0, 2 and 4, each held for two steps; without it, every version (the test above)."""
+    actor, out = _main_one_rank(tmp_path, "trainer.max_steps=5", "sync.send_every=2", "actor.max_lag=1")
+    actor.done.wait(30)
+    assert actor.versions == [0, 2, 4], out
 
 
 def test_done_ids_are_pruned_into_a_floor():

@@ -1,0 +1,146 @@
+"""How stale is too stale: the off-policy corrections (corrections.py) side by side over forced lags.
+
+Each run is `bash run.sh` with one correction (`trainer.correction`) and one forced lag L: the trainer
+broadcasts every (L+1)-th version (`sync.send_every`, the engines hold each version L+1 steps) under
+`actor.max_lag = L + 1`, so the trained tokens' lags spread over 0..L+1 (each run's histogram is in
+the table). Runs go one at a time, the same steps each (reward at a fixed sample count); a finished
+run (its DONE file) is kept, so a sweep can be built over several sittings.
+
+    .venv/bin/python bench/staleness_sweep.py --tier quick          # 9 runs
+    .venv/bin/python bench/staleness_sweep.py --tier full           # 70 runs
+    .venv/bin/python bench/staleness_sweep.py --tier full --lr 3e-4 --root runs/staleness-lr3e-4
+    .venv/bin/python bench/staleness_sweep.py --tier quick --task longtail --root runs/staleness-longtail
+
+Tiers: quick = lags 0, 8, 32 x tis, token_mask, m2po x seed 0; full = lags 0, 1, 2, 4, 8, 16, 32 x all
+five corrections x seeds 0, 1. Not yet timed: at the default run's speed on 2 cores (1.6 steps/s, ~30 s
+of start-up) a 120-step run takes ~105 s, so ~16 min for the quick tier and ~2 h for the full one. --lags/--corrections/--seeds override a tier's axes. Writes
+<root>/sweep.json and <root>/sweep.txt (a Markdown table, one row per run: final test reward, samples, wall, the lag
+histogram, ESS and masked fraction by lag) and <root>/sweep.png (test reward at the sweep's sample
+count against the forced lag, one line per correction, seeds' mean with their range).
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import loss  # noqa: E402
+from scripts.rundir import Run, read_jsonl  # noqa: E402
+
+TIERS = {"quick": dict(lags=[0, 8, 32], corrections=["tis", "token_mask", "m2po"], seeds=[0]),
+         "full": dict(lags=[0, 1, 2, 4, 8, 16, 32],
+                      corrections=["tis", "seq_is", "token_mask", "seq_mask", "m2po"], seeds=[0, 1])}
+
+
+def overrides(a, lag: int, correction: str, seed: int, run_dir: Path) -> list:
+    task = ["configs/longtail.yaml"] if a.task == "longtail" else []
+    return [*task, f"run.dir={run_dir}", f"run.seed={seed}", f"trainer.max_steps={a.steps}",
+            f"trainer.correction={correction}", f"sync.send_every={lag + 1}",
+            f"actor.max_lag={lag + 1}", f"trainer.lr={a.lr}", f"actor.eval_every={a.eval_every}",
+            "trainer.checkpoint_every=0"]
+
+
+def summarize(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
+    """One run's row: its last evaluation, samples, wall, and per lag bucket the tokens, ESS and
+    masked fraction over the whole run."""
+    run = Run(run_dir)
+    recs = [r for r in read_jsonl(run_dir / "metrics_trainer.jsonl") if "trainer/loss" in r]
+    by_lag = {}
+    for label in loss.LAG_BUCKET_LABELS:
+        n = sum(r.get(f"trainer/tokens_lag_{label}", 0) for r in recs)
+        if n:
+            w = lambda k: sum(r.get(f"trainer/{k}_lag_{label}", 0) * r.get(f"trainer/tokens_lag_{label}", 0)  # noqa: E731
+                              for r in recs) / n
+            by_lag[label] = {"tokens": n, "ess": round(w("ess"), 4), "masked": round(w("mask"), 4)}
+    return {"lag": lag, "correction": correction, "seed": seed, "run_dir": str(run_dir),
+            "final_test": float(run.test[-1]) if len(run.test) else None,
+            "last2_test": float(np.mean(run.test[-2:])) if len(run.test) else None,
+            "samples": float(run.samples[-1]), "wall_s": float(run.t[-1]),
+            "mean_lag": round(run.mean_lag(), 3), "by_lag": by_lag}
+
+
+def table(rows: list) -> str:
+    lines = ["| forced lag | correction | seed | test reward (last 2 evals) | mean lag | tokens by lag "
+             "(share) | ESS by lag | masked by lag | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        total = sum(b["tokens"] for b in r["by_lag"].values()) or 1
+        share = ", ".join(f"{k}: {b['tokens'] / total:.2f}" for k, b in r["by_lag"].items())
+        ess = ", ".join(f"{k}: {b['ess']:.3f}" for k, b in r["by_lag"].items())
+        masked = ", ".join(f"{k}: {b['masked']:.3f}" for k, b in r["by_lag"].items())
+        lines.append(f"| {r['lag']} | {r['correction']} | {r['seed']} | {r['last2_test']:.3f} | "
+                     f"{r['mean_lag']} | {share} | {ess} | {masked} | {r['wall_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(rows: list, path: Path, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for c in dict.fromkeys(r["correction"] for r in rows):
+        lags = sorted({r["lag"] for r in rows if r["correction"] == c})
+        ys = [[r["last2_test"] for r in rows if r["correction"] == c and r["lag"] == L] for L in lags]
+        mean = [np.mean(y) for y in ys]
+        ax.errorbar([L + 1 for L in lags], mean, yerr=[[m - min(y) for m, y in zip(mean, ys)],
+                                                       [max(y) - m for m, y in zip(mean, ys)]],
+                    marker="o", capsize=3, label=c)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("versions each engine holds (forced lag + 1)")
+    ax.set_ylabel("test reward at the sweep's sample count")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tier", choices=TIERS, default="quick")
+    ap.add_argument("--lags", type=int, nargs="*")
+    ap.add_argument("--corrections", nargs="*")
+    ap.add_argument("--seeds", type=int, nargs="*")
+    ap.add_argument("--task", choices=["arithmetic", "longtail"], default="arithmetic")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--steps", type=int, default=120, help="trainer.max_steps of every run")
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--root", default=None, help="default runs/staleness-<tier>")
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args(argv)
+    axes = {k: getattr(a, k) or v for k, v in TIERS[a.tier].items()}
+    root = Path(a.root or REPO / f"runs/staleness-{a.tier}").resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    rows, t0 = [], time.time()
+    settings = [(L, c, s) for s in axes["seeds"] for L in axes["lags"] for c in axes["corrections"]]
+    for i, (lag, correction, seed) in enumerate(settings):
+        run_dir = root / f"lag{lag}-{correction}-s{seed}"
+        cmd = ["bash", "run.sh", *overrides(a, lag, correction, seed, run_dir)]
+        if a.dry_run:
+            print(("# kept: " if (run_dir / "DONE").exists() else "") + " ".join(cmd))
+            continue
+        if not (run_dir / "DONE").exists():
+            print(f"[sweep] {i + 1}/{len(settings)} {time.strftime('%H:%M:%S')} {' '.join(cmd)}",
+                  flush=True)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
+                rc = subprocess.call(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            if rc != 0:
+                sys.exit(f"[sweep] {run_dir} failed (exit {rc}): see {run_dir.parent}/{run_dir.name}.log")
+            (run_dir / "DONE").touch()
+        rows.append(summarize(run_dir, lag, correction, seed))
+    if a.dry_run:
+        return
+    (root / "sweep.json").write_text(json.dumps(rows, indent=1))
+    title = (f"{a.task}, {a.steps} steps, lr {a.lr:g}, seeds {axes['seeds']} "
+             f"({len(rows)} runs)")
+    (root / "sweep.txt").write_text(f"# Staleness sweep: {title}\n\n" + table(rows))
+    figure(rows, root / "sweep.png", title)
+    print(f"[sweep] {len(rows)} runs in {time.time() - t0:.0f} s: {root}/sweep.txt, {root}/sweep.png")
+
+
+if __name__ == "__main__":
+    main()
