@@ -1318,7 +1318,7 @@ def test_an_update_is_logged_with_its_timings(env, monkeypatch):
         if role == "actor":
             lines.append(dict(metrics))
         original(role, metrics, step)
-    monkeypatch.setattr(common, "log", log)
+    monkeypatch.setattr(telemetry, "log", log)
     cfg = make_cfg(env["tmp"], env["model_dir"], env["owner"].overrides, free_port(), "actor.max_lag=1",
                    "actor.max_tokens=16", "actor.max_inflight=16", "sync.verify_every=1",
                    "run.log_every=0.001")
