@@ -473,6 +473,8 @@ class Actor:
         # forgotten first: the loop must not read a cancelled evaluation as failed
         tasks = [x for x in (self.eval_task, self.updating) if x] + list(self.tasks)
         self.tasks, self.eval_task = set(), None
+        if self.updating is not asyncio.current_task():  # cancelled below: no result to read
+            self.updating = None
         for t in tasks:
             if t is not asyncio.current_task():
                 t.cancel()

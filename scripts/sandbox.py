@@ -85,8 +85,9 @@ def _limit(limits: Limits):
     def apply():
         os.setsid()
         mb = 2**20
-        for which, value in ((resource.RLIMIT_CPU, limits.cpu_s),
-                             (resource.RLIMIT_AS, limits.memory_mb * mb),
+        # CPU: SIGXCPU at cpu_s (SIGKILL a second later, should it be caught)
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+        for which, value in ((resource.RLIMIT_AS, limits.memory_mb * mb),
                              (resource.RLIMIT_NPROC, limits.nproc),
                              (resource.RLIMIT_FSIZE, limits.file_mb * mb), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(which, (value, value))
@@ -123,8 +124,10 @@ async def run_python(code: str, limits: Limits = Limits()) -> Result:
                 os.killpg(proc.pid, signal.SIGKILL)
         status = await proc.wait()
         text = out[:limits.output_bytes].decode(errors="replace")
+        # bwrap exits 128 + N when the code was killed by signal N (itself: -N)
+        signum = -status if status < 0 else status - 128 if status > 128 else 0
         if error is None and status != 0:
-            error = (f"killed by signal {-status} ({_why(-status, limits)})" if status < 0
+            error = (f"killed by signal {signum} ({_why(signum, limits)})" if signum
                      else f"exit status {status}")
         return Result(text, error, status)
     finally:

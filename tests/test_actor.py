@@ -263,6 +263,24 @@ def test_paused_engines_out_of_a_roster_are_not_counted_hung():
         actor.Actor.check_engines(fake)
 
 
+def test_an_update_cancelled_with_the_incarnation_is_not_read_as_failed():
+    """A link cut: the ledger counted the actor lost while a weight update was on its way; cancel_all
+    cancelled the update's task with the requests, and the next turn of the loop read that task's result,
+    a CancelledError, and the actor exited (code 1) and was started again with its engines. The cancelled
+    update is forgotten; the next one starts anew."""
+    from types import SimpleNamespace
+
+    async def scenario():
+        updating = asyncio.ensure_future(asyncio.sleep(3600))
+        fake = SimpleNamespace(cfg=common.load_config([]), st=actor.ActorState(), eval_task=None, tasks=set(),
+                               updating=updating)
+        await actor.Actor.cancel_all(fake)
+        actor.Actor.update(fake, [])  # the loop's next turn: no announcement pending
+        return fake, updating
+    fake, updating = asyncio.run(scenario())
+    assert updating.cancelled() and fake.updating is None
+
+
 # --- episodes (envs.py): one exact token stream, weights updated mid-episode ---------------------------
 
 class Echo(envs.Env):
