@@ -548,7 +548,10 @@ class FakeVerifier:
         ledger = common.LedgerClient(self.owner.cfg, ws.create_store("127.0.0.1", self.owner.cfg.sync.port, False, 60))
         verifier = ledger.request("verifier_hello")["verifier"]
         while not self.stop.is_set():
-            version = self.actor.versions[-1] if self.actor.updates else -1
+            if not self.actor.updates:  # no weights yet: an actor generates nothing (version -1 marks an
+                time.sleep(0.05)        # environment's tokens, which a sample may not start with)
+                continue
+            version = self.actor.versions[-1]
             reply = ledger.request("tickets", inc=self.actor.inc, epoch=self.actor.epoch or -1,
                                    version=version, want=1, pushed=[], drop=[])
             if not reply.get("tickets"):
