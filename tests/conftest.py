@@ -14,6 +14,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Every test has a time limit (pytest-timeout, requirements-common.txt): a hang fails that one test
+# with its stack instead of running the suite into CI's limit. Twice the slowest test (~10 min, test_elastic).
+TEST_TIMEOUT_S = 1200
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (tests never use fixed ports)."""
     with socket.socket() as s:

@@ -365,3 +365,10 @@ def test_compute_dtype_is_one_rule_for_trainer_and_engine():
     cfg = common.load_config([])
     assert (cfg.compute_dtype(True), cfg.compute_dtype(False)) == ("bfloat16", "float32")
     assert common.load_config(["model.dtype=float16"]).compute_dtype(False) == "float16"
+
+
+def test_every_test_has_a_time_limit(request):
+    """A hang costs one failed test, not the whole suite (a CI run once hung past its limit)."""
+    assert request.config.pluginmanager.hasplugin("timeout"), "pip install pytest-timeout"
+    from conftest import TEST_TIMEOUT_S
+    assert request.node.get_closest_marker("timeout").args == (TEST_TIMEOUT_S,)

@@ -108,6 +108,17 @@ def test_megabytes_of_output_are_cut_at_the_limit():
     none_left()
 
 
+def test_a_burst_of_output_past_the_limit_ends_the_call():
+    """A megabyte written at once fills asyncio's buffer, which then stops reading the pipe: unless
+    the pipe is read to its end after the kill, the wait for the process never returns (a CI run
+    hung here). Bounded, so a regression fails rather than hangs."""
+    code = "import sys, time\nsys.stdout.write('x' * 2**20)\nsys.stdout.flush()\ntime.sleep(60)"
+    r = asyncio.run(asyncio.wait_for(run_python(code, Limits(wall_s=120)), 60))
+    assert r.error == "output over 16384 bytes: cut, and the code stopped", r
+    assert len(r.output) == LIMITS.output_bytes
+    none_left()
+
+
 def test_scratch_directories_are_removed_and_the_next_call_runs():
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "pipelinerl-tool-*")))
     run("open('junk', 'wb').write(b'1' * 1000)")
