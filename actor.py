@@ -165,11 +165,11 @@ def sampling_params(cfg, temperature: float, top_p: float = 1.0):
                           max_tokens=cfg.actor.max_tokens, logprobs=0, flat_logprobs=True,
                           detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 
-def prompt_ids(tokenizer, problem, prompt_format: str) -> dict:
+def prompt_ids(tokenizer, problem, prompt_format: str, tools: tuple = ()) -> dict:
     """The prompt as vLLM would tokenize its text (special tokens added): a text prompt would cost
     every request a tokenizer call in a thread pool on the front-end's core, the core the engine's
     outputs and this loop also need (docs/DESIGN.md, "The front-end's per-token cost")."""
-    text = format_prompt(problem, tokenizer, prompt_format)
+    text = format_prompt(problem, tokenizer, prompt_format, tools)
     return {"prompt_token_ids": tokenizer(text)["input_ids"]}
 
 async def generate(engine, prompt, params, request_id: str,
@@ -600,7 +600,8 @@ class Actor:
 
         async def attempt(i, problem):
             async with slots:
-                prompt = prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format)
+                prompt = prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format,
+                                    envs.kind(problem, self.cfg.actor.env).tools)
                 await self.sample(i % len(self.engines), problem, prompt, version, i, params,
                                   evaluation=True)
         start = time.time()
@@ -653,7 +654,8 @@ class Actor:
         st, gs = self.st, self.cfg.actor.group_size
         problem = self.stream.get(group_id)
         # tokenized once per group
-        prompt = prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format)
+        prompt = prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format,
+                            envs.kind(problem, self.cfg.actor.env).tools)
         e = least_loaded(st, len(self.engines))
         st.groups[ticket] = Group(group_id, st.epoch, e, left=gs)
         for k in range(gs):
@@ -668,7 +670,8 @@ class Actor:
         st = self.st
         kind, priority = ("e", EVAL_PRIORITY) if evaluation else ("g", TRAINING_PRIORITY)
         try:
-            r = await run_episode(self.engines[e], envs.make(problem), prompt, params,
+            environment = envs.make(problem, self.cfg.actor.env)
+            r = await run_episode(self.engines[e], environment, prompt, params,
                                   f"{st.inc}-{kind}{ticket}-{k}", priority, self.cfg,
                                   self.tokenizer, self.rng, lambda: self.engine_busy(e))
             group = None if evaluation else st.groups[ticket]

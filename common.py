@@ -51,7 +51,8 @@ CHOICES = {("data", "task"): ("arithmetic", "longtail", "calc", "math"),
            ("actor", "schedule"): ("pipeline", "conventional"),
            ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
            ("trainer", "reduce_dtype"): ("float32", "bfloat16"),
-           ("trainer", "correction"): ("tis", "seq_is", "token_mask", "seq_mask", "m2po")}
+           ("trainer", "correction"): ("tis", "seq_is", "token_mask", "seq_mask", "m2po"),
+           ("actor", "env"): ("", "calc", "python")}
 # Bounds of the numeric keys: value >= MINIMUMS[section][key]; value > 0 for the POSITIVE keys.
 # Upper bounds and combinations: `_rules`. Every float must also be finite: nan passes every bound
 # check (lr=nan would train on nothing; reward_correct=nan makes every group with a correct answer
@@ -147,7 +148,8 @@ def validate(cfg: Config):
     """Impossible combinations fail here, before any process starts, naming the keys and the fix."""
     for (sec, key), allowed in CHOICES.items():
         if (value := getattr(getattr(cfg, sec), key)) not in allowed:
-            raise ConfigError(f"{sec}.{key}={value!r}; allowed: {', '.join(allowed)}")
+            names = ", ".join(a or '""' for a in allowed)
+            raise ConfigError(f"{sec}.{key}={value!r}; allowed: {names}")
     for sec, section in dataclasses.asdict(cfg).items():
         for key, value in section.items():
             values = value if isinstance(value, tuple) else (value,)  # trainer.betas: a tuple
@@ -180,6 +182,8 @@ def _rules(cfg: Config):
     yield (a.top_p > 1, f"actor.top_p={a.top_p}: must be in (0, 1]")
     yield (not 0 <= a.step_latency_s[0] <= a.step_latency_s[1] or len(a.step_latency_s) != 2,
            f"actor.step_latency_s={list(a.step_latency_s)}: need [lo, hi] with 0 <= lo <= hi")
+    yield (a.env == "python" and d.prompt_format != "chat", "actor.env=python: its calls and "
+           "answers follow the model's chat template: set data.prompt_format=chat")
     yield (a.gpu_memory_utilization > 1,
            f"actor.gpu_memory_utilization={a.gpu_memory_utilization}: must be in (0, 1]")
     yield (not t.mask_low < 1 < t.mask_high, f"trainer.mask_low={t.mask_low:g}, trainer.mask_high="

@@ -12,6 +12,10 @@ The interface, for your own environment (one instance per episode):
         async def step(self, turn) -> Step:   # the model's turn as text
             return Step(observation="...", reward=0.0, done=False)
 
+The first observation is the problem's prompt (tasks.format_prompt: a chat template also lists
+the environment's `tools`). actor.env names one environment for every problem; by default each
+problem gets its task's (ENVS, by task name; SingleTurn for the rest).
+
 A turn that ends at a stop token goes to `step`; one that ends otherwise (the model's end of
 sequence, the budget) ends the episode. `step` may await (a tool, a sandbox, a remote service): the
 actor's loop runs on meanwhile. Each call is bounded by actor.step_timeout_s: a step that raises or
@@ -22,9 +26,12 @@ sum travels with the sample (`env_reward`); the verifier's reward is its grade o
 """
 import ast
 import asyncio
+import json
 import math
 import random
 from dataclasses import dataclass
+
+from scripts import sandbox
 
 @dataclass(frozen=True)
 class Step:
@@ -34,8 +41,9 @@ class Step:
 
 
 class Env:
-    """One episode's environment. `reset(problem)` (optional) sees the problem first."""
+    """One episode's environment, made for its problem."""
     stop: tuple = ()
+    tools: tuple = ()  # JSON schemas of its tools, for a chat template (data.prompt_format=chat)
 
     def __init__(self, problem):
         self.problem = problem
@@ -85,12 +93,48 @@ def evaluate(expression: str) -> str:
         return "?"
 
 
-ENVS = {"calc": Calculator}
+class PythonTool(Env):
+    """actor.env=python, for chat models with Qwen2.5's tool-call format (Hermes'): a turn that ends
+    with <tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call> has its code run in
+    the sandbox (scripts/sandbox.py: no network, a scratch directory, limits) and gets its output
+    back as the template's tool message; a call that is not that JSON gets an error message. A turn
+    that ends otherwise is the answer."""
+    stop = ("</tool_call>",)
+    tools = ({"type": "function", "function": {
+        "name": "python", "description": "Run a Python 3 script; returns what it prints.",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}},
+                       "required": ["code"]}}},)
+    answer = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
+              "<|im_start|>assistant\n")
+    limits = sandbox.Limits()
+
+    async def step(self, turn: str) -> Step:
+        if not turn.endswith(self.stop[0]):
+            return Step("", 0.0, True)
+        try:
+            call = json.loads(turn[:-len(self.stop[0])].rsplit("<tool_call>", 1)[-1])
+            args = call["arguments"]
+            code = (json.loads(args) if isinstance(args, str) else args)["code"]
+            if call["name"] != "python" or not isinstance(code, str):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            return Step(self.answer.format('error: a call is {"name": "python", "arguments": '
+                                           '{"code": "..."}}'))
+        r = await sandbox.run_python(code, self.limits)
+        return Step(self.answer.format(r.output + (f"[error: {r.error}]" if r.error else "")))
 
 
-def make(problem) -> Env:
-    """The environment of `problem`'s task (SingleTurn unless one is registered in ENVS)."""
-    return ENVS.get(problem.task, SingleTurn)(problem)
+ENVS = {"calc": Calculator, "python": PythonTool}
+
+
+def kind(problem, name: str = "") -> type:
+    """The Env class of `problem`: ENVS[name] (actor.env), or its task's (SingleTurn unless one is
+    registered in ENVS under the task's name)."""
+    return ENVS[name] if name else ENVS.get(problem.task, SingleTurn)
+
+
+def make(problem, name: str = "") -> Env:
+    return kind(problem, name)(problem)
 
 
 async def bounded_step(env: Env, turn: str, timeout_s: float, latency: tuple = (0.0, 0.0),

@@ -102,10 +102,11 @@ OVERRIDES+=("${GPU_OVERRIDES[@]}" "run.dir=$RUN_DIR")
 mkdir -p "$RUN_DIR/logs"
 
 # --- the embedded model: built once, cached ------------------------------------------------------
-# One per built-in task (scripts/make_tiny_model.py): the default's, and configs/longtail.yaml's.
+# One per built-in task (scripts/make_tiny_model.py): the default's, configs/longtail.yaml's and configs/calc.yaml's.
 case "$MODEL_PATH" in
   assets/tiny-model)    BUILD_TASK=arithmetic; BUILD_TIME="~3 min" ;;
   assets/tiny-longtail) BUILD_TASK=longtail;   BUILD_TIME="~11 min" ;;
+  assets/tiny-calc)     BUILD_TASK=calc;       BUILD_TIME="~3 min" ;;
   *)                    BUILD_TASK="" ;;
 esac
 if [[ -n "$BUILD_TASK" && ! -f "$MODEL_PATH/COMPLETE" ]]; then

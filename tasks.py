@@ -374,11 +374,13 @@ def load_tasks(cfg):
         test = arithmetic_test(d.test_size, d.min_digits, d.max_digits)
     return TrainStream(d, cfg.run.seed, test), test
 
-def format_prompt(problem: Problem, tokenizer=None, prompt_format: str = "plain") -> str:
+def format_prompt(problem: Problem, tokenizer=None, prompt_format: str = "plain",
+                  tools: tuple = ()) -> str:
     """plain: the question as is (the tiny models); chat: the tokenizer's chat template + a
-    \\boxed{} ask."""
+    \\boxed{} ask, and the environment's tools (JSON schemas, envs.Env.tools) where it has any."""
     if prompt_format == "plain":
         return problem.prompt
     ask = "Please reason step by step, and put your final answer within \\boxed{}."
     messages = [{"role": "user", "content": f"{problem.prompt}\n{ask}"}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **({"tools": list(tools)} if tools else {}))

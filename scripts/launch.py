@@ -77,7 +77,7 @@ def check_model(cfg):
     """model.path is a model the trainer can shard and vLLM can load: config.json read, the model built on
     the meta device (no weights), vLLM's registry asked. Lazy imports: only a launch pays for them (~10 s)."""
     name, path = cfg.model.path, cfg.model_path
-    if name in ("assets/tiny-model", "assets/tiny-longtail"):  # built by run.sh on first use
+    if name in ("assets/tiny-model", "assets/tiny-longtail", "assets/tiny-calc"):  # run.sh builds them
         return  # the embedded Qwen2 (scripts/make_tiny_model.py), which run.sh builds after the checks
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache

@@ -2,11 +2,14 @@
 supervised training on a built-in task until its greedy test accuracy lands in a band that leaves RL
 room to improve.
 
-    python scripts/make_tiny_model.py [--task arithmetic|longtail] [--out DIR] [--band LO HI]
+    python scripts/make_tiny_model.py [--task arithmetic|longtail|calc] [--out DIR] [--band LO HI]
 
 arithmetic (the default demo): assets/tiny-model, band 38-45%. longtail (configs/longtail.yaml):
 assets/tiny-longtail, band 35-45%, one thread, then 1,024 completions sampled at temperature 1 whose
-length statistics go into the model's warmstart.json. run.sh builds the model its config names when
+length statistics go into the model's warmstart.json. calc (configs/calc.yaml): assets/tiny-calc,
+band 5-25%: 30% of its worked solutions call the calculator (its answer carries no loss, as in an
+episode), the rest answer at once; its evaluations are episodes (a turn ending at `=` gets the
+calculator's answer), and warmstart.json records how often it calls the tool at temperature 1. run.sh builds the model its config names when
 its COMPLETE file is missing; a build that ends outside the band (or, longtail, whose samples lack
 the long tail: has_long_tail) writes no COMPLETE and exits with code 1. Deterministic from the seed on a given thread count. Tests import `make_tokenizer`,
 `tiny_config` and `random_model_dir` from here to build models in seconds.
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import envs  # noqa: E402
 import tasks  # noqa: E402
 
 EOS = "<|endoftext|>"
@@ -115,7 +119,23 @@ BUILDS = {
     "longtail": dict(out="assets/tiny-longtail", band=(0.35, 0.45), max_new_tokens=384, max_pos=512,
                      threads=1, length_samples=1024, lr=2e-3, batch_size=32, eval_every=(25, 100),
                      max_steps=2500),
+    # calc (configs/calc.yaml): multiplication of 1-3-digit numbers with the calculator (envs.py).
+    # tool_share of the worked solutions call it, the rest answer at once (a product the model
+    # mostly cannot compute): greedy decoding answers at once, and RL has the calls to find.
+    "calc": dict(out="assets/tiny-calc", band=(0.05, 0.25), max_new_tokens=32, max_pos=256,
+                 threads=None, length_samples=0, lr=2e-3, batch_size=64, eval_every=(5, 25),
+                 max_steps=3000, digits=(1, 3), tool_share=0.3),
 }
+
+
+def _segments(p) -> list:
+    """(text, trained) pieces of a worked solution: calc's tool answer (after the `=` to the
+    newline) is the environment's, as in an RL episode: no loss on it."""
+    if p.task == "calc" and "=" in p.target:
+        call, rest = p.target.split("=", 1)
+        answer, final = rest.split("\n", 1)
+        return [(call + "=", True), (answer + "\n", False), (final, True)]
+    return [(p.target, True)]
 
 
 def _batch(tokenizer, problems):
@@ -123,10 +143,12 @@ def _batch(tokenizer, problems):
     ids, labels = [], []
     for p in problems:
         prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
-        target = tokenizer(p.target, add_special_tokens=False)["input_ids"]
-        target = target + [tokenizer.eos_token_id]
-        ids.append(prompt + target)
-        labels.append([-100] * len(prompt) + target)
+        target, label = [], []
+        for text, trained in _segments(p):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            target, label = target + piece, label + (piece if trained else [-100] * len(piece))
+        ids.append(prompt + target + [tokenizer.eos_token_id])
+        labels.append([-100] * len(prompt) + label + [tokenizer.eos_token_id])
     T = max(map(len, ids))
     pad = tokenizer.eos_token_id
     lengths = torch.tensor([len(x) for x in ids])                                    # [B]
@@ -138,6 +160,18 @@ def _batch(tokenizer, problems):
 
 def train_batches(task, seed, batch_size, test_prompts):
     """Endless seeded training batches that never touch the test split."""
+    if task == "calc":
+        spec, rng = BUILDS["calc"], np.random.default_rng([seed, 1])
+        while True:
+            problems = []
+            while len(problems) < batch_size:
+                p = tasks._draw_calc(rng, *spec["digits"])
+                if p.prompt in test_prompts:
+                    continue
+                if rng.random() >= spec["tool_share"]:  # answered at once
+                    p = tasks.Problem(p.prompt, p.answer, p.task, f"{tasks.ANSWER_MARK}{p.answer}")
+                problems.append(p)
+            yield problems
     if task == "arithmetic":
         gen = torch.Generator().manual_seed(seed)
         while True:
@@ -163,22 +197,45 @@ def train_batches(task, seed, batch_size, test_prompts):
             yield items[k * batch_size:(k + 1) * batch_size]
 
 
-def _generate(model, tokenizer, prompts, max_new_tokens, sample):
-    """Completions of `prompts` (left-padded batch): their token ids, cut after the first EOS."""
+def _generate(model, tokenizer, prompts, max_new_tokens, sample, stop=None):
+    """Completions of `prompts` (left-padded batch): their token ids, cut after the first EOS (or
+    the first `stop`, a one-token string)."""
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     # top_k=0: generate's default keeps the 50 likeliest tokens; the actor samples the full softmax.
     kw = dict(temperature=1.0, top_k=0, top_p=1.0) if sample else {}
     eos = tokenizer.eos_token_id
+    ends = [eos] + ([tokenizer.convert_tokens_to_ids(stop)] if stop else [])
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=sample, **kw,
-                             pad_token_id=eos, eos_token_id=eos)
+                             pad_token_id=eos, eos_token_id=ends)
     out = out[:, enc["input_ids"].shape[1]:].tolist()
-    return [ids[:ids.index(eos) + 1] if eos in ids else ids for ids in out]
+    return [ids[:min(ids.index(e) + 1 for e in ends if e in ids)] if set(ends) & set(ids) else ids
+            for ids in out]
 
 
 def _correct(completion, problem) -> bool:
     return tasks.score(completion, problem.answer, problem.task)[1] == "correct"
+
+
+def _completions(model, tokenizer, problems, max_new_tokens, sample) -> list:
+    """Texts of one completion per problem; calc's are episodes of up to two turns: a turn that
+    ends at `=` gets the calculator's answer (envs.Calculator) and goes on."""
+    prompts = [p.prompt for p in problems]
+    if problems[0].task != "calc":
+        out = _generate(model, tokenizer, prompts, max_new_tokens, sample)
+        return tokenizer.batch_decode(out, skip_special_tokens=True)
+    first = tokenizer.batch_decode(_generate(model, tokenizer, prompts, max_new_tokens, sample,
+                                             stop="="), skip_special_tokens=True)
+    calls = [i for i, t in enumerate(first) if t.endswith("=")]
+    if calls:
+        for i in calls:
+            first[i] += envs.evaluate(first[i][:-1].rsplit("\n", 1)[-1]) + "\n"
+        second = _generate(model, tokenizer, [prompts[i] + first[i] for i in calls],
+                           max_new_tokens, sample)
+        for i, t in zip(calls, tokenizer.batch_decode(second, skip_special_tokens=True)):
+            first[i] += t
+    return first
 
 
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens=48, batch=150) -> float:
@@ -189,11 +246,27 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens=48, batch=150) ->
     problems = sorted(problems, key=lambda p: len(p.prompt))
     for i in range(0, len(problems), batch):
         chunk = problems[i:i + batch]
-        completions = _generate(model, tokenizer, [p.prompt for p in chunk], max_new_tokens, False)
-        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        texts = _completions(model, tokenizer, chunk, max_new_tokens, False)
         correct += sum(_correct(t, p) for t, p in zip(texts, chunk))
     model.train()
     return correct / len(problems)
+
+
+def tool_use(model, tokenizer, problems, max_new_tokens, seed=0) -> dict:
+    """calc at temperature 1, as the actor samples: the share of episodes that call the
+    calculator, and the reward of those that do and of those that do not."""
+    torch.manual_seed(seed)
+    model.eval()
+    texts = _completions(model, tokenizer, problems, max_new_tokens, True)
+    model.train()
+    called = ["=" in t for t in texts]
+    right = [_correct(t, p) for t, p in zip(texts, problems)]
+
+    def mean(xs):
+        return round(float(np.mean(xs)), 3) if xs else None
+    return {"samples": len(texts), "call_share": mean(called), "reward": mean(right),
+            "reward_with_call": mean([r for r, c in zip(right, called) if c]),
+            "reward_without": mean([r for r, c in zip(right, called) if not c])}
 
 
 def sample_lengths(model, tokenizer, problems, max_new_tokens, seed=0, batch=128) -> dict:
@@ -257,6 +330,8 @@ def warm_start(out_dir, task="arithmetic", seed=0, band=None, max_seconds=None, 
     n_params = sum(p.numel() for p in model.parameters())
     if task == "arithmetic":
         test = tasks.arithmetic_test(test_size)
+    elif task == "calc":
+        test = tasks._fixed_split(lambda rng: tasks._draw_calc(rng, *spec["digits"]), test_size)
     else:
         test = tasks.longtail_test(test_size)
     batches = train_batches(task, seed, batch_size, {p.prompt for p in test})
@@ -305,6 +380,8 @@ def warm_start(out_dir, task="arithmetic", seed=0, band=None, max_seconds=None, 
         lengths = sample_lengths(model, tokenizer, problems, spec["max_new_tokens"], seed)
         info["samples_T1"] = lengths
         info["long_tail"] = has_long_tail(lengths)
+    if task == "calc":
+        info["samples_T1"] = tool_use(model, tokenizer, test, spec["max_new_tokens"], seed)
     (Path(out_dir) / "warmstart.json").write_text(json.dumps(info, indent=1))
     if info["in_band"] and info.get("long_tail", True):
         (Path(out_dir) / "COMPLETE").write_text("ok\n")
@@ -328,7 +405,7 @@ if __name__ == "__main__":
           f"accuracy {info['greedy_test_accuracy']:.1%} after {info['steps']} steps, "
           f"{info['seconds']} s")
     if "samples_T1" in info:
-        print(f"[make_tiny_model] completion lengths at temperature 1: {info['samples_T1']}")
+        print(f"[make_tiny_model] sampled at temperature 1: {info['samples_T1']}")
     if not info.get("long_tail", True):
         sys.exit(f"[make_tiny_model] the samples have no long tail (p90 >= 3x and max >= 8x the "
                  f"median): {info['samples_T1']}; {out} is not marked COMPLETE")

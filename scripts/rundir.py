@@ -5,7 +5,8 @@ throughput models (scripts/throughput_model.py, bench/longtail_model.py), the be
 A run directory holds, among others (README, "What you will see"):
   config.yaml               the resolved config: it names the run's setting
   metrics_<role>.jsonl      one record per log line, keys `actor/`, `verifier/`, `trainer/`
-  eval.jsonl                one record per test evaluation: version, test_reward, time
+  eval.jsonl                one record per test evaluation: version, test_reward, time, and
+                            `example`: the completion of the test split's first problem (text)
   samples_trainer.jsonl     one record per optimizer step of trainer rank 0: its samples' group
                             ids, sample_idx, tickets and per-token versions (run-length coded);
                             samples_trainer.rank<r>.jsonl the same for rank r >= 1

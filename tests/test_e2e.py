@@ -16,7 +16,9 @@ import psutil
 import pytest
 
 import common
+import envs
 import loss
+import tasks
 from conftest import REPO, free_port, hf_greedy, read_jsonl, vllm_greedy
 from scripts import check_run
 from scripts.rundir import read_samples, timeline
@@ -293,6 +295,75 @@ def test_gpu_recipe_runs_on_cpu_with_what_run_sh_installs(tmp_path):
     evals = read_jsonl(run_dir / "eval.jsonl")
     assert evals and evals[0]["version"] == 0 and evals[0]["n"] == 4  # the 4 test problems
     assert len(read_jsonl(run_dir / "samples_trainer.jsonl")) == 3
+
+
+TOOL_TEMPLATE = (  # Qwen2.5's template in short: the tools in a system message, calls in <tool_call> tags
+    "{% if tools %}<|im_start|>system\nTools:\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}" + CHAT_TEMPLATE)
+CALL = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+
+
+def tiny_tool_model(out_dir, problems, steps=400):
+    """A tiny Qwen2 with the special tokens of Qwen2.5's chat and tool-call protocol, trained for ~30 s
+    to answer each of `problems` (every prompt of the run: it learns them by heart, nothing more) with
+    one call of the Python tool, then, once the tool's answer is back, `\\boxed{42}`: a random-init model
+    would never call it."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from scripts.make_tiny_model import make_tokenizer, save, tiny_config
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<tool_call>",
+                                                                "</tool_call>"]})
+    tokenizer.chat_template = TOOL_TEMPLATE
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny_config(max_pos=1024))
+    assert len(tokenizer) <= model.config.vocab_size
+    answer = envs.PythonTool.answer.format("42\n")
+    rows = []
+    for p in problems:
+        prompt = tokenizer(tasks.format_prompt(p, tokenizer, "chat", envs.PythonTool.tools))["input_ids"]
+        completion = tokenizer(CALL + answer + "\\boxed{42}", add_special_tokens=False)["input_ids"]
+        rows.append((prompt, completion + [tokenizer.eos_token_id]))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / steps)  # to 0: it ends converged
+    for i in range(steps):
+        prompt, completion = rows[i % len(rows)]
+        ids = torch.tensor([prompt + completion])
+        labels = ids.clone()
+        labels[0, :len(prompt)] = -100
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        decay.step()
+    return save(model, tokenizer, out_dir)
+
+
+def test_the_python_tool_config_on_a_tiny_model_of_its_protocol(tmp_path):
+    """configs/qwen2.5-1.5b-instruct-python.yaml's keys (actor.env=python, chat prompts listing the tool,
+    4 turns) with only the CPU-scale keys overridden, on a tiny Qwen2 of its tokenizer's protocol that calls
+    the tool: episodes of two turns whose tool tokens (the sandbox's `42`, in the template's tool message)
+    are in the stream and carry no loss."""
+    data = gsm8k_folder(tmp_path / "gsm8k")
+    problems = [p for split in ("train", "test") for p in tasks.math_problems(f"{data}/{split}.jsonl", split)]
+    model = tiny_tool_model(tmp_path / "model", problems)
+    run_dir = tmp_path / "run"
+    cpu_scale = ["actor.engines=1", "trainer.nproc=1", "model.dtype=float32", "trainer.batch_size=16",
+                 "actor.max_inflight=32", "actor.max_tokens=160", "trainer.max_steps=3", "verifier.workers=1",
+                 "run.peer_timeout_s=120", "run.restart_s=60", "trainer.lr=1e-6"]
+    rc, out = finish(start(["configs/qwen2.5-1.5b-instruct-python.yaml", f"model.path={model}",
+                            f"data.train_path={data}", f"data.test_path={data}", *cpu_scale, *ports(run_dir)]))
+    assert rc == 0, out[-6000:]
+    resolved = common.load_config([], path=run_dir / "config.yaml")
+    assert (resolved.actor.env, resolved.actor.max_turns, resolved.data.prompt_format) == ("python", 4, "chat")
+    steps = [r for r in read_jsonl(run_dir / "metrics_trainer.jsonl") if "trainer/loss" in r]
+    assert len(steps) == 3 and all(r["trainer/turns_mean"] > 1 and r["trainer/env_tokens"] > 0
+                                   for r in steps), steps
+    # the greedy evaluation's episode, as the verifier read it (special tokens skipped): the call, the
+    # sandbox's output in the tool message, the answer
+    evals = read_jsonl(run_dir / "eval.jsonl")
+    assert evals and evals[0]["n"] == 4
+    assert evals[0]["example"] == ('\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n\nuser\n'
+                                   '<tool_response>\n42\n\n</tool_response>\nassistant\n\\boxed{42}'), evals[0]
 
 
 def _descendants(pid):

@@ -6,7 +6,9 @@ mid-episode) is in tests/test_actor.py.
 Run: bash run.sh test tests/test_envs.py      (< 20 s)
 """
 import asyncio
+import json
 import random
+import socket
 import time
 
 import numpy as np
@@ -18,6 +20,8 @@ import envs
 import loss
 import tasks
 import trainer
+from conftest import REPO
+from scripts.sandbox import Limits
 
 
 def step(env, turn, **kw):
@@ -95,3 +99,84 @@ def test_the_environments_tokens_carry_no_loss_and_no_lag():
     second, _ = loss.policy_loss(logprobs, changed, x["advantages"], x["mask"], 1)
     (g,) = torch.autograd.grad(first, logprobs)
     assert first.item() == second.item() and g[0, 2:4].abs().sum() == 0 and g[0, 1] != 0
+
+
+# --- the Python tool (envs.PythonTool: a chat model's tool calls, run in scripts/sandbox.py) -------------
+
+def call(code, name="python", as_string=False):
+    """A turn that ends in a tool call, as Qwen2.5's template asks for one."""
+    args = json.dumps({"code": code}) if as_string else {"code": code}
+    return "I will compute it.\n<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def tool_output(s: envs.Step) -> str:
+    """The text of the template's tool message, which every answer of the tool is."""
+    head, tail = "<|im_end|>\n<|im_start|>user\n<tool_response>\n", "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert s.observation.startswith(head) and s.observation.endswith(tail) and not s.done, s
+    return s.observation[len(head):-len(tail)]
+
+
+def python_tool():
+    tool = envs.make(tasks.arithmetic_problem(1, 2), "python")
+    assert isinstance(tool, envs.PythonTool) and tool.stop == ("</tool_call>",)
+    tool.limits = Limits(wall_s=4.0, cpu_s=2)
+    return tool
+
+
+def test_the_python_tool_answers_a_call_and_explains_a_bad_one():
+    tool = python_tool()
+    assert tool_output(step(tool, call("print(6 * 7)"), timeout_s=30)) == "42\n"
+    assert tool_output(step(tool, call("print(1 + 1)", as_string=True), timeout_s=30)) == "2\n"
+    for bad in ('<tool_call>{"name": "python"}</tool_call>', "<tool_call>print(1)</tool_call>",
+                call("print(1)", name="bash"), '<tool_call>{"name": "python", "arguments": {"code": 5}}</tool_call>'):
+        assert tool_output(step(tool, bad, timeout_s=30)).startswith("error: a call is {"), bad
+    assert step(tool, "So the answer is \\boxed{42}.") == envs.Step("", 0.0, True)  # not a call: the answer
+
+
+@pytest.mark.parametrize("code, said", [
+    ("while True:\n    pass", "[error: killed by signal 24 (over 2 s of CPU time)]"),
+    ("import time\ntime.sleep(60)", "[error: no end after 4 s of wall time: stopped]"),
+    ("x = bytearray(10 * 2**30)", "MemoryError"),
+    ("import os\nwhile True:\n    os.fork()", "BlockingIOError"),
+    ("print(open('/etc/passwd').read())", "FileNotFoundError"),
+    (f"print(open({str(REPO / 'actor.py')!r}).read())", "FileNotFoundError"),
+    ("import socket\nsocket.create_connection(('127.0.0.1', PORT), timeout=2)", "ConnectionRefusedError"),
+    ("while True:\n    print('x' * 1000)", "[error: output over 16384 bytes: cut, and the code stopped]")])
+def test_code_that_tries_to_escape_gets_an_error_result_and_the_tool_goes_on(code, said):
+    """The escapes of tests/test_sandbox.py, through the tool: each is an answer the model reads (an error
+    named), never an exception in the actor; the next call runs."""
+    tool = python_tool()
+    with socket.socket() as listener:  # a port on the host that does listen: the sandbox cannot reach it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        out = tool_output(step(tool, call(code.replace("PORT", str(listener.getsockname()[1]))), timeout_s=30))
+    assert said in out and "[error:" in out, out
+    assert tool_output(step(tool, call("print('next')"), timeout_s=30)) == "next\n"
+
+
+def test_a_python_tool_that_outlasts_its_step_is_stopped():
+    """actor.step_timeout_s shorter than the sandbox's wall time: the step's error, and no process left."""
+    from test_sandbox import none_left
+    tool = python_tool()
+    tool.limits = Limits(wall_s=60.0, cpu_s=60)
+    assert step(tool, call("import time\ntime.sleep(60)"), timeout_s=1.0) == envs.Step(
+        "[error: the environment gave no answer in 1 s]\n")
+    none_left()
+
+
+def test_the_calc_warm_start_trains_the_model_s_tokens_and_not_the_tools():
+    """scripts/make_tiny_model.py --task calc: a worked solution that calls the calculator has no loss on the
+    calculator's answer (the environment's tokens, as in an episode); tool_share of them call it, and none is
+    a test problem."""
+    from scripts import make_tiny_model as mtm
+    tok = mtm.make_tokenizer()
+    ids, labels, _ = mtm._batch(tok, [tasks.calc_problem(12, 34), tasks.arithmetic_problem(1, 2)])
+    prompt = len(tok("12*34\n")["input_ids"])
+    trained = [tok.decode([i]) if y != -100 else "_" for i, y in zip(ids[0].tolist(), labels[0].tolist())]
+    assert trained[prompt:] == [*"12*34=", *"____", *"#408", tok.eos_token], trained
+    assert (labels[1] != -100).sum() == len(tok(tasks.arithmetic_problem(1, 2).target)["input_ids"]) + 1
+    test = {p.prompt for p in tasks._fixed_split(lambda rng: tasks._draw_calc(rng, 1, 3), 300)}
+    batch = [p for _, b in zip(range(20), mtm.train_batches("calc", 0, 64, test)) for p in b]
+    calls = np.mean(["=" in p.target for p in batch])
+    assert abs(calls - mtm.BUILDS["calc"]["tool_share"]) < 0.05 and not {p.prompt for p in batch} & test
+    assert all(p.target.endswith(f"#{p.answer}") for p in batch)

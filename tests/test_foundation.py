@@ -67,6 +67,8 @@ def test_override_types():
     ("actor.temperature=0", "actor.temperature=0.0: must be > 0"),
     ("actor.group_size=0", "actor.group_size=0: must be >= 1"),
     ("data.task=math", "data.task=math needs data.train_path"),
+    ("actor.env=python", "actor.env=python: its calls and answers follow the model's chat template"),
+    ("actor.env=bash", "actor.env='bash'; allowed: \"\", calc, python"),
     ("trainer.lr", "expected section.key=value"),
 ])
 def test_bad_config_names_the_key(override, needle):

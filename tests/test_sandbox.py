@@ -1,4 +1,4 @@
-"""The Python tool's sandbox (scripts/sandbox.py: bubblewrap, rlimits, user nobody): each way model-written code
+"""The Python tool's sandbox (scripts/sandbox.py: bubblewrap, rlimits, a user per slot): each way model-written code
 might escape or exhaust the host gets an error result naming what stopped it, promptly, and leaves nothing
 behind; the next call runs as if nothing happened. Real bwrap, real processes: no mocks.
 
@@ -25,17 +25,19 @@ def run(code: str, limits: Limits = LIMITS) -> sandbox.Result:
     return asyncio.run(run_python(code, limits))
 
 
-def nobody_processes() -> list:
-    out = subprocess.run(["ps", "-u", str(sandbox.NOBODY), "-o", "pid=,cmd="], capture_output=True, text=True)
+def sandbox_processes() -> list:
+    """Processes of the sandboxes' users (one per slot)."""
+    uids = ",".join(str(sandbox.FIRST_UID + i) for i in range(LIMITS.slots))
+    out = subprocess.run(["ps", "-u", uids, "-o", "pid=,cmd="], capture_output=True, text=True)
     return out.stdout.split("\n") if out.stdout.strip() else []
 
 
 def none_left():
-    """No process of user nobody outlives its sandbox (its PID namespace dies with it)."""
+    """No process of a sandbox's user outlives its sandbox (its PID namespace dies with it)."""
     deadline = time.time() + 10
-    while nobody_processes() and time.time() < deadline:
+    while sandbox_processes() and time.time() < deadline:
         time.sleep(0.2)
-    assert not nobody_processes(), nobody_processes()
+    assert not sandbox_processes(), sandbox_processes()
 
 
 def test_plain_code_runs_and_reports_its_failure():
@@ -116,6 +118,33 @@ def test_a_burst_of_output_past_the_limit_ends_the_call():
     r = asyncio.run(asyncio.wait_for(run_python(code, Limits(wall_s=120)), 60))
     assert r.error == "output over 16384 bytes: cut, and the code stopped", r
     assert len(r.output) == LIMITS.output_bytes
+    none_left()
+
+
+def test_a_call_its_caller_stops_waiting_for_leaves_no_process():
+    """The actor bounds each environment step (actor.step_timeout_s): a sandbox that outlives the wait
+    would run on with nobody reading it."""
+    async def main():
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(run_python("import time\ntime.sleep(60)", Limits(wall_s=60)), 1.0)
+    asyncio.run(main())
+    none_left()
+
+
+def test_sandboxes_at_once_each_have_their_own_process_limit():
+    """A fork bomb holding its whole process limit while sixteen other calls run: each of them runs. With
+    one user for every sandbox (RLIMIT_NPROC counts a user's processes) they failed to start, as tool
+    calls of a run did ("bwrap: Creating new namespace failed: Resource temporarily unavailable")."""
+    bomb = "import os, time\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.2)"
+
+    async def main():
+        held = asyncio.create_task(run_python(bomb, Limits(wall_s=6.0, cpu_s=5)))
+        await asyncio.sleep(2.0)  # the bomb has forked to its limit
+        others = await asyncio.gather(*(run_python(f"print({i})", LIMITS) for i in range(LIMITS.slots - 1)))
+        return await held, others
+    held, others = asyncio.run(main())
+    assert held.error.startswith("no end after 6 s"), held
+    assert [r.output for r in others] == [f"{i}\n" for i in range(LIMITS.slots - 1)], others
     none_left()
 
 
