@@ -180,3 +180,28 @@ def test_the_calc_warm_start_trains_the_model_s_tokens_and_not_the_tools():
     calls = np.mean(["=" in p.target for p in batch])
     assert abs(calls - mtm.BUILDS["calc"]["tool_share"]) < 0.05 and not {p.prompt for p in batch} & test
     assert all(p.target.endswith(f"#{p.answer}") for p in batch)
+
+
+def test_the_calc_overlay_matches_its_warm_start():
+    """configs/calc.yaml: the model run.sh builds for it (scripts/make_tiny_model.py --task calc), the same
+    operands as its warm start, room for the longest episode (a call, the tool's value, the answer, EOS)."""
+    import re
+    from scripts import make_tiny_model as mtm
+    cfg = common.load_config(["configs/calc.yaml"])
+    assert cfg.data.task == "calc" and cfg.model.path == mtm.BUILDS["calc"]["out"]
+    assert (cfg.data.min_digits, cfg.data.max_digits) == mtm.BUILDS["calc"]["digits"]
+    assert len(tasks.calc_problem(999, 999).target) + 1 <= cfg.actor.max_tokens and cfg.actor.max_turns >= 2
+    assert re.search(r"assets/tiny-calc\)\s+BUILD_TASK=calc;", (REPO / "run.sh").read_text())
+
+
+def test_every_run_of_the_tool_latency_bench_is_a_valid_config():
+    """bench/tool_latency.py: PipelineRL and conventional RL on configs/calc.yaml, with and without the
+    drawn tool latency; each run's overrides load."""
+    import sys
+    sys.path.insert(0, str(REPO / "bench"))
+    import tool_latency
+    a = tool_latency.argparse.Namespace(steps=200, latency=[0.01, 2.0], seed=0)
+    runs = {name: common.load_config([str(REPO / o) if o.endswith(".yaml") else o for o in over])
+            for name, over in tool_latency.settings(a)}
+    assert {(c.actor.schedule, c.actor.step_latency_s, c.data.task) for c in runs.values()} == {
+        (s, lat, "calc") for s in ("pipeline", "conventional") for lat in ((0.0, 0.0), (0.01, 2.0))}
