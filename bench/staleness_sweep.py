@@ -12,8 +12,8 @@ run (its DONE file) is kept, so a sweep can be built over several sittings.
     .venv/bin/python bench/staleness_sweep.py --tier quick --task longtail --root runs/staleness-longtail
 
 Tiers: quick = lags 0, 8, 32 x tis, token_mask, m2po x seed 0; full = lags 0, 1, 2, 4, 8, 16, 32 x all
-five corrections x seeds 0, 1. Not yet timed: at the default run's speed on 2 cores (1.6 steps/s, ~30 s
-of start-up) a 120-step run takes ~105 s, so ~16 min for the quick tier and ~2 h for the full one. --lags/--corrections/--seeds override a tier's axes. Writes
+five corrections x seeds 0, 1. The quick tier took 856 s on 2 cores (2026-12-07: 62-109 s a run, the
+stale ones faster: fewer broadcasts); the full one, at that speed, ~1.6 h. --lags/--corrections/--seeds override a tier's axes. Writes
 <root>/sweep.json and <root>/sweep.txt (a Markdown table, one row per run: final test reward, samples, wall, the lag
 histogram, ESS and masked fraction by lag) and <root>/sweep.png (test reward at the sweep's sample
 count against the forced lag, one line per correction, seeds' mean with their range).
@@ -58,6 +58,7 @@ def summarize(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
                               for r in recs) / n
             by_lag[label] = {"tokens": n, "ess": round(w("ess"), 4), "masked": round(w("mask"), 4)}
     return {"lag": lag, "correction": correction, "seed": seed, "run_dir": str(run_dir),
+            "first_test": float(run.test[0]) if len(run.test) else None,
             "final_test": float(run.test[-1]) if len(run.test) else None,
             "last2_test": float(np.mean(run.test[-2:])) if len(run.test) else None,
             "samples": float(run.samples[-1]), "wall_s": float(run.t[-1]),
@@ -89,6 +90,8 @@ def figure(rows: list, path: Path, title: str):
         ax.errorbar([L + 1 for L in lags], mean, yerr=[[m - min(y) for m, y in zip(mean, ys)],
                                                        [max(y) - m for m, y in zip(mean, ys)]],
                     marker="o", capsize=3, label=c)
+    ax.axhline(np.mean([r["first_test"] for r in rows]), color="grey", lw=0.8, ls=":",
+               label="before training (mean of the runs' first evaluation)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("versions each engine holds (forced lag + 1)")
     ax.set_ylabel("test reward at the sweep's sample count")
