@@ -287,7 +287,8 @@ def main(argv=None):
                 ckpts = run_dir / "checkpoints"
                 seen = {p.name for p in ckpts.glob("step-*")}
                 deadline = time.time() + 300
-                while {p.name for p in ckpts.glob("step-*")} <= seen and time.time() < deadline:
+                while {p.name for p in ckpts.glob("step-*")} <= seen and time.time() < deadline \
+                        and nodes[0].poll() is None:  # a run that ended writes none
                     time.sleep(0.05)
             if near_end(i):  # the waits above may have taken the rest of the run
                 break
