@@ -600,10 +600,8 @@ class Actor:
 
         async def attempt(i, problem):
             async with slots:
-                prompt = prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format,
-                                    envs.kind(problem, self.cfg.actor.env).tools)
-                await self.sample(i % len(self.engines), problem, prompt, version, i, params,
-                                  evaluation=True)
+                await self.sample(i % len(self.engines), problem, self.prompt(problem), version, i,
+                                  params, evaluation=True)
         start = time.time()
         await asyncio.gather(*(attempt(i, problem) for i, problem in enumerate(self.test)))
         self.events.span("eval", start, version=version)
@@ -649,13 +647,16 @@ class Actor:
             self.admission_since = now
         return self.blocked
 
+    def prompt(self, problem) -> dict:
+        """The problem's prompt ids, its environment's tools listed (a chat template's)."""
+        tools = envs.kind(problem, self.cfg.actor.env).tools
+        return prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format, tools)
+
     def start_group(self, ticket: int, group_id: int):
         """The ticket's group_size attempts, on the least loaded engine."""
         st, gs = self.st, self.cfg.actor.group_size
         problem = self.stream.get(group_id)
-        # tokenized once per group
-        prompt = prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format,
-                            envs.kind(problem, self.cfg.actor.env).tools)
+        prompt = self.prompt(problem)  # tokenized once per group
         e = least_loaded(st, len(self.engines))
         st.groups[ticket] = Group(group_id, st.epoch, e, left=gs)
         for k in range(gs):

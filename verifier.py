@@ -133,7 +133,7 @@ def receive(sock, state: State, pool, tokenizer, limit: int):
         group = state.open.setdefault(key, {"size": size, "t0": time.monotonic(), "seen": set(),
                                             "scored": {}})
         group["seen"].add(idx)
-        if header["eval"] and idx == 0:  # the test split's first problem: eval.jsonl shows its answer
+        if header["eval"] and idx == 0:  # the test split's first problem: eval.jsonl shows it
             header = {**header, "text": text[-2000:]}
         state.scoring[pool.submit(text, header["answer"], header["task"])] = (key, header, arrays)
 

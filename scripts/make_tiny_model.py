@@ -9,8 +9,8 @@ assets/tiny-longtail, band 35-45%, one thread, then 1,024 completions sampled at
 length statistics go into the model's warmstart.json. calc (configs/calc.yaml): assets/tiny-calc,
 band 5-25%: 30% of its worked solutions call the calculator (its answer carries no loss, as in an
 episode), the rest answer at once; its evaluations are episodes (a turn ending at `=` gets the
-calculator's answer), and warmstart.json records how often it calls the tool at temperature 1. run.sh builds the model its config names when
-its COMPLETE file is missing; a build that ends outside the band (or, longtail, whose samples lack
+calculator's answer), and warmstart.json records how often it calls the tool at temperature 1.
+run.sh builds the model its config names when its COMPLETE file is missing; a build that ends outside the band (or, longtail, whose samples lack
 the long tail: has_long_tail) writes no COMPLETE and exits with code 1. Deterministic from the seed on a given thread count. Tests import `make_tokenizer`,
 `tiny_config` and `random_model_dir` from here to build models in seconds.
 
@@ -21,6 +21,7 @@ list is empty is one token per byte, and round-trips identically in `tokenizers`
 vLLM (docs/DESIGN.md, "The embedded default").
 """
 import argparse
+import asyncio
 import copy
 import itertools
 import json
@@ -232,8 +233,8 @@ def _completions(model, tokenizer, problems, max_new_tokens, sample) -> list:
                                              stop="="), skip_special_tokens=True)
     calls = [i for i, t in enumerate(first) if t.endswith("=")]
     if calls:
-        for i in calls:
-            first[i] += envs.evaluate(first[i][:-1].rsplit("\n", 1)[-1]) + "\n"
+        for i in calls:  # the calculator's answer, as the actor's episode gets it
+            first[i] += asyncio.run(envs.Calculator(problems[i]).step(first[i])).observation
         second = _generate(model, tokenizer, [prompts[i] + first[i] for i in calls],
                            max_new_tokens, sample)
         for i, t in zip(calls, tokenizer.batch_decode(second, skip_special_tokens=True)):

@@ -10,8 +10,8 @@ it can write), /usr read-only (the system's python3 and its standard library), a
 /dev; no network (no interface but its own loopback), nothing else of the host's files, no
 capabilities. What it may use: `cpu_s` of CPU time (RLIMIT_CPU), `memory_mb` of address space
 (RLIMIT_AS: a large allocation fails with MemoryError), `nproc` processes of its user
-(RLIMIT_NPROC: a fork bomb's forks fail, and only its own slot's), files of at most `file_mb` (RLIMIT_FSIZE), `wall_s` of
-wall time, `output_bytes` of output (stdout and stderr together). Past the wall time or the output
+(RLIMIT_NPROC: a fork bomb's forks fail, and only its own slot's), files of at most `file_mb`
+(RLIMIT_FSIZE), `wall_s` of wall time, `output_bytes` of output (stdout and stderr together). Past the wall time or the output
 limit the sandbox is killed whole (its PID namespace dies with its first process).
 
 Every outcome is a `Result`: the output (cut at the limit) and, when the code did not simply run to
@@ -150,7 +150,7 @@ async def run_python(code: str, limits: Limits = Limits()) -> Result:
             error = (f"killed by signal {signum} ({_why(signum, limits)})" if signum
                      else f"exit status {status}")
         return Result(text, error, status)
-    except asyncio.CancelledError:  # the caller stopped waiting (actor.step_timeout_s): so does the code
+    except asyncio.CancelledError:  # the caller stopped waiting (actor.step_timeout_s): the code stops
         if proc is not None:
             await _end(proc, kill=True)
         raise
