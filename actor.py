@@ -22,7 +22,9 @@ Simplifications vs the paper and its code:
 1. Admission control bounds lag by how many samples may start ahead of the trainer (the ledger's
    `admit`); the paper bounds it only implicitly, through H and the trainer's speed (App. A.3).
 2. A group's `group_size` attempts are independent n=1 requests (finer admission, per-sample push);
-   prefix caching is off, so they share no KV (docs/DESIGN.md, "Stale KV after an update").
+   prefix caching, salted by the weights' version, lets those that start under one version share
+   their prompt's KV, and an episode's turns their history's (docs/DESIGN.md, "Stale KV after an
+   update").
 3. Evaluation (process 0 only) never holds back an update: it runs beside training in max_inflight/4
    extra engine slots, across any number of updates; eval.jsonl gives the span of versions behind a
    score. The first pass starts once this process has pushed its share of the trainer's first
@@ -32,6 +34,7 @@ Simplifications vs the paper and its code:
 """
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -58,6 +61,17 @@ from tasks import format_prompt, load_tasks
 # is the first preempted when the KV cache runs out (vLLM's priority scheduling: lower runs first).
 TRAINING_PRIORITY = 0
 EVAL_PRIORITY = 1
+
+# The version each engine's weights hold, as its requests' prefix-cache salt (set by update_weights
+# while the engine is paused): a request reuses only KV cached by requests that started under the
+# same weights (docs/DESIGN.md, "Stale KV after an update").
+SALTS = {}  # id(engine) -> str
+
+
+def salted(engine, prompt) -> dict:
+    """The prompt (token ids, or text), salted by the weights the engine holds now."""
+    prompt = {"prompt": prompt} if isinstance(prompt, str) else prompt
+    return {**prompt, "cache_salt": SALTS.get(id(engine), "start")}
 
 async def init_sync(cfg, engines, proc_index: int = 0, store=None):
     """Once the engines are up: each worker ready for weight updates (WeightUpdateExtension), its
@@ -120,6 +134,7 @@ async def update_weights(engines, version: int, recompute_kv: bool, timeout_s: f
                       "the pause before a weight update")
         stats = await bounded(engine.collective_rpc("receive_weights", timeout=timeout_s),
                               receive_s, "a weight update's receive")
+        SALTS[id(engine)] = str(version)  # requests from now on run after the resume
         await bounded(asyncio.gather(engine.update_weight_version(str(version)),
                                      core.resume_scheduler_async()), hang_s, "the resume")
         return stats
@@ -139,11 +154,11 @@ async def verify_weights(engines, version: int, probe: dict, tolerance: float) -
     running, wrong and silent."""
     from vllm.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-    prompt = {"prompt_token_ids": probe["ids"]}
     worst = 0.0
-    for e, engine in enumerate(engines):
+    for e, engine in enumerate(engines):  # (prompt logprobs: vLLM reads no cached KV for them)
         request_id = f"probe-{version}-{e}-{time.time_ns()}"
-        async for out in engine.generate(prompt, params, request_id=request_id):
+        async for out in engine.generate(salted(engine, {"prompt_token_ids": probe["ids"]}), params,
+                                         request_id=request_id):
             pass
         got = np.array([d[t].logprob for d, t in zip(out.prompt_logprobs[1:], probe["ids"][1:])])
         diff = float(np.abs(got - np.array(probe["logprobs"])).max())
@@ -174,9 +189,11 @@ def prompt_ids(tokenizer, problem, prompt_format: str, tools: tuple = ()) -> dic
 
 async def generate(engine, prompt, params, request_id: str,
                    priority: int = TRAINING_PRIORITY) -> dict:
-    """One request to completion -> ids, behaviour logprobs and per-token versions as arrays."""
+    """One request to completion -> ids, behaviour logprobs and per-token versions as arrays, and
+    how many of its prompt tokens' KV came from the prefix cache."""
     t_start = time.time()
-    async for out in engine.generate(prompt, params, request_id=request_id, priority=priority):
+    async for out in engine.generate(salted(engine, prompt), params, request_id=request_id,
+                                     priority=priority):
         pass
     c = out.outputs[0]
     ids = np.asarray(c.token_ids, dtype=np.int32)
@@ -192,7 +209,8 @@ async def generate(engine, prompt, params, request_id: str,
         versions[span.start:span.end] = int(span.version)
     return {"prompt_ids": np.asarray(out.prompt_token_ids, dtype=np.int32),
             "completion_ids": ids, "logprobs": logprobs, "versions": versions,
-            "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time()}
+            "finish_reason": c.finish_reason or "", "t_start": t_start, "t_end": time.time(),
+            "cached": out.num_cached_tokens or 0}
 
 async def run_episode(engine, env, prompt, params, request_id: str, priority: int, cfg, tokenizer,
                       rng, busy) -> dict:
@@ -240,7 +258,8 @@ async def run_episode(engine, env, prompt, params, request_id: str, priority: in
            for n in ("completion_ids", "logprobs", "versions")}
     return {**out, "prompt_ids": np.asarray(prompt["prompt_token_ids"], dtype=np.int32),
             "finish_reason": r["finish_reason"], "t_start": t_start, "t_end": time.time(),
-            "turns": turn, "env_reward": reward}
+            "turns": turn, "env_reward": reward,
+            "cached": sum(p.get("cached", 0) for p in parts)}
 
 def token_lags(version: int, versions):
     """[T] lags of a finished sample's tokens against the engine's version now: the newer of the
@@ -600,7 +619,8 @@ class Actor:
 
         async def attempt(i, problem):
             async with slots:
-                await self.sample(i % len(self.engines), problem, self.prompt(problem), version, i,
+                prompt, (environment,) = self.episodes(problem, 1)
+                await self.sample(i % len(self.engines), problem, prompt, environment, version, i,
                                   params, evaluation=True)
         start = time.time()
         await asyncio.gather(*(attempt(i, problem) for i, problem in enumerate(self.test)))
@@ -647,31 +667,37 @@ class Actor:
             self.admission_since = now
         return self.blocked
 
-    def prompt(self, problem) -> dict:
-        """The problem's prompt ids, its environment's tools listed (a chat template's)."""
-        tools = envs.kind(problem, self.cfg.actor.env).tools
-        return prompt_ids(self.tokenizer, problem, self.cfg.data.prompt_format, tools)
+    def episodes(self, problem, n: int) -> tuple:
+        """n attempts at `problem` -> (their prompt ids, their environments, each reset): the first
+        observation, the same for all n (a group shares its prompt), templated with the tools."""
+        environments = [envs.kind(problem, self.cfg.actor.env)() for _ in range(n)]
+        first = {env.reset(problem) for env in environments}
+        if len(first) != 1 or not all(isinstance(o, str) for o in first):
+            raise ValueError(f"{type(environments[0]).__name__}.reset gave the attempts of one "
+                             f"group {len(first)} first observations: it must give one string")
+        observation = dataclasses.replace(problem, prompt=first.pop())
+        return prompt_ids(self.tokenizer, observation, self.cfg.data.prompt_format,
+                          environments[0].tools), environments
 
     def start_group(self, ticket: int, group_id: int):
         """The ticket's group_size attempts, on the least loaded engine."""
         st, gs = self.st, self.cfg.actor.group_size
         problem = self.stream.get(group_id)
-        prompt = self.prompt(problem)  # tokenized once per group
+        prompt, environments = self.episodes(problem, gs)  # tokenized once per group
         e = least_loaded(st, len(self.engines))
         st.groups[ticket] = Group(group_id, st.epoch, e, left=gs)
         for k in range(gs):
             self.tasks.add(asyncio.create_task(
-                self.sample(e, problem, prompt, ticket, k, self.params)))
+                self.sample(e, problem, prompt, environments[k], ticket, k, self.params)))
         st.inflight += gs
         st.started += gs
 
-    async def sample(self, e, problem, prompt, ticket, k, params, evaluation=False):
+    async def sample(self, e, problem, prompt, environment, ticket, k, params, evaluation=False):
         """One attempt: generate (across any number of updates), then push (an evaluation attempt
         at once; a training group by its last attempt, `push_group`)."""
         st = self.st
         kind, priority = ("e", EVAL_PRIORITY) if evaluation else ("g", TRAINING_PRIORITY)
         try:
-            environment = envs.make(problem, self.cfg.actor.env)
             r = await run_episode(self.engines[e], environment, prompt, params,
                                   f"{st.inc}-{kind}{ticket}-{k}", priority, self.cfg,
                                   self.tokenizer, self.rng, lambda: self.engine_busy(e))
@@ -684,7 +710,8 @@ class Actor:
                       "t_end": r["t_end"], "eval": evaluation, "turns": r["turns"],
                       "env_reward": r["env_reward"]}
             arrays = {n: r[n] for n in common.SCHEMAS["rollout"][1]}
-            self.note(engine_tokens=int((r["versions"] >= 0).sum()))  # the model's, not the tool's
+            # the model's tokens (not the tool's), and the prompt tokens whose KV was reused
+            self.note(engine_tokens=int((r["versions"] >= 0).sum()), cached_tokens=r["cached"])
             if evaluation:
                 await self.push.send_multipart(common.encode(header, arrays), copy=False)
                 return
@@ -739,6 +766,7 @@ class Actor:
         telemetry.log("actor", {
             "tokens_per_s": len(lags) / dt, "samples_per_s": len(st.window.get("lags", [])) / dt,
             "engine_tokens_per_s": get("engine_tokens").sum() / dt,
+            "prefix_cached_tokens_per_s": get("cached_tokens").sum() / dt,
             "inflight": st.inflight, "version": st.version, "updates": st.updates,
             "lag_min": int(lags.min()) if len(lags) else 0, "lag_max": int(lags.max(initial=0)),
             "lag_mean": float(lags.mean()) if len(lags) else 0.0,

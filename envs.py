@@ -9,12 +9,17 @@ The interface, for your own environment (one instance per episode):
 
     class MyEnv(Env):
         stop = ("</tool_call>",)   # tokens that end a turn, as the vocabulary spells them
+        def reset(self, problem) -> str:      # the first observation (default: the question)
+            return f"Guess a number in 1..100. {problem.prompt}"
         async def step(self, turn) -> Step:   # the model's turn as text
             return Step(observation="...", reward=0.0, done=False)
 
-The first observation is the problem's prompt (tasks.format_prompt: a chat template also lists
-the environment's `tools`). actor.env names one environment for every problem; by default each
-problem gets its task's (ENVS, by task name; SingleTurn for the rest).
+`reset` gives the first observation, the user's first message: the actor templates it
+(tasks.format_prompt: a chat template also lists the environment's `tools`) into the episode's
+prompt. A group's attempts share their prompt, so `reset` must give each of them the same one; it
+runs on the actor's loop, once per attempt, and must not block. actor.env names one environment for
+every problem; by default each problem gets its task's (ENVS, by task name; SingleTurn for the
+rest).
 
 A turn that ends at a stop token goes to `step`; one that ends otherwise (the model's end of
 sequence, the budget) ends the episode. `step` may await (a tool, a sandbox, a remote service): the
@@ -41,12 +46,15 @@ class Step:
 
 
 class Env:
-    """One episode's environment, made for its problem."""
+    """One episode's environment."""
     stop: tuple = ()
     tools: tuple = ()  # JSON schemas of its tools, for a chat template (data.prompt_format=chat)
+    problem = None
 
-    def __init__(self, problem):
+    def reset(self, problem) -> str:
+        """A new episode of `problem` -> the first observation (default: the question)."""
         self.problem = problem
+        return problem.prompt
 
     async def step(self, turn: str) -> Step:
         raise NotImplementedError
@@ -134,7 +142,10 @@ def kind(problem, name: str = "") -> type:
 
 
 def make(problem, name: str = "") -> Env:
-    return kind(problem, name)(problem)
+    """A new environment of `problem`'s kind, reset to it."""
+    env = kind(problem, name)()
+    env.reset(problem)
+    return env
 
 
 async def bounded_step(env: Env, turn: str, timeout_s: float, latency: tuple = (0.0, 0.0),

@@ -42,8 +42,9 @@ def engine_args(cfg, proc_index: int = 0, device_ids: list = None, engine: int =
         seed=engine_seed(cfg, proc_index, engine),
         # CPU: eager is what works; GPU: CUDA graphs
         enforce_eager=not on_gpu,
-        # a group shares its prompt: no KV computed by old weights
-        enable_prefix_caching=False,
+        # a group shares its prompt, an episode's turns their history: reused only under one
+        # version (actor.salted)
+        enable_prefix_caching=True,
         # per-token stats and env look-ups cost the front-end's CPU, which the engine needs
         disable_log_stats=True,
         # logprobs of the distribution actually sampled (T, top-p)

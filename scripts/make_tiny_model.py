@@ -234,7 +234,7 @@ def _completions(model, tokenizer, problems, max_new_tokens, sample) -> list:
     calls = [i for i, t in enumerate(first) if t.endswith("=")]
     if calls:
         for i in calls:  # the calculator's answer, as the actor's episode gets it
-            first[i] += asyncio.run(envs.Calculator(problems[i]).step(first[i])).observation
+            first[i] += asyncio.run(envs.Calculator().step(first[i])).observation
         second = _generate(model, tokenizer, [prompts[i] + first[i] for i in calls],
                            max_new_tokens, sample)
         for i, t in zip(calls, tokenizer.batch_decode(second, skip_special_tokens=True)):

@@ -288,7 +288,6 @@ class Echo(envs.Env):
     asyncio.Event: each step waits for it (the test loads new weights meanwhile)."""
 
     def __init__(self, stop, answer="xy\n", gate=None):
-        super().__init__(None)
         self.stop, self.answer, self.gate, self.turns = stop, answer, gate, []
 
     async def step(self, turn):
@@ -398,8 +397,8 @@ def test_an_environment_that_hangs_or_raises_gives_an_error_observation(env):
             await asyncio.sleep(3600)
     load(env, env["A"])
     tok = env["engine"].get_tokenizer()
-    for environment, said in ((Broken(None), "[error: RuntimeError: the tool crashed]\n"),
-                              (Hung(None), "[error: the environment gave no answer in 5 s]\n")):
+    for environment, said in ((Broken(), "[error: RuntimeError: the tool crashed]\n"),
+                              (Hung(), "[error: the environment gave no answer in 5 s]\n")):
         r, _ = episode(env, environment, max_turns=2, max_tokens=200)
         text = tok.decode(r["completion_ids"])
         assert text == "a" + said + "a" and r["turns"] == 2, text
@@ -530,6 +529,56 @@ def test_recompute_kv_decides_which_weights_made_the_kv(env, tmp_path, recompute
         assert min(vs_full) > 1e-2, vs_full
     print(f"recompute_kv={recompute_kv}: switch after {k} tokens; max |vLLM - full| "
           f"{max(vs_full):.1e}, max |vLLM - mixed KV| {max(vs_mixed):.1e}")
+
+
+@pytest.mark.parametrize("recompute_kv", [False, True])
+def test_a_turn_reuses_cached_kv_of_its_own_weights_only(env, tmp_path, monkeypatch, recompute_kv):
+    """Prefix caching across an episode's turns, salted by version. Turn 1 (a 150-token prompt: one full
+    128-token KV block on CPU) runs under A; turn 2 continues from its ids.
+    - Under the same weights, turn 2 reuses turn 1's cached block (num_cached_tokens = 128).
+    - After an update to B, turn 2 reuses nothing, and its logprobs are B's full forward over the whole
+      history (within 1e-4, fp32 both sides).
+    - Unsalted (actor.salted as a no-op): with the KV kept at updates (the default), turn 2 after the update
+      reuses A's block and its logprobs are off by > 1e-2: the check above can fail. With recompute_kv the
+      pause also clears the cache, so even unsalted turns reuse nothing."""
+    from transformers import Qwen2ForCausalLM
+    from vllm import SamplingParams
+    from scripts.make_tiny_model import random_model_dir
+    engine = env["engine"]
+    dir_b = random_model_dir(tmp_path / "model-b", seed=1)
+    params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, ignore_eos=True)
+    rng = np.random.default_rng(int(recompute_kv))
+    model_b = Qwen2ForCausalLM.from_pretrained(dir_b, dtype=torch.float32).eval()
+
+    def two_turns(update):
+        """turn 1 under A, then (after `update` to B if set) turn 2 -> turn 2's result, B's version"""
+        load(env, env["sd"])
+        history = rng.integers(0, 256, 150).tolist()  # a fresh history each time: no earlier block matches
+        t1 = env["loop"].run_until_complete(actor.generate(engine, {"prompt_token_ids": history}, params,
+                                                           f"turn1-{time.monotonic_ns()}"))
+        history += t1["completion_ids"].tolist()
+        if update:
+            th, v_b = env["trainer"].send_async(state_dict(dir_b))
+            env["loop"].run_until_complete(actor.update_weights([engine], v_b, recompute_kv, 60))
+            th.join()
+        return env["loop"].run_until_complete(actor.generate(engine, {"prompt_token_ids": history}, params,
+                                                             f"turn2-{time.monotonic_ns()}"))
+
+    def off_b(r):  # largest |vLLM logprob - B's full forward| over the turn's tokens
+        ids = torch.tensor(np.concatenate([r["prompt_ids"], r["completion_ids"]]).astype(np.int64))[None]
+        P = len(r["prompt_ids"])
+        with torch.no_grad():
+            full = token_logprobs(model_b(ids).logits[0, P - 1:-1], ids[0, P:])
+        return float(np.abs(full.numpy() - r["logprobs"]).max())
+    assert two_turns(update=False)["cached"] == 128  # one version: the history's full block is reused
+    salted = two_turns(update=True)
+    assert salted["cached"] == 0 and off_b(salted) < 1e-4, (salted["cached"], off_b(salted))
+    monkeypatch.setattr(actor, "salted", lambda engine, prompt: prompt)
+    unsalted = two_turns(update=True)
+    if recompute_kv:  # the pause cleared the cache
+        assert unsalted["cached"] == 0 and off_b(unsalted) < 1e-4, (unsalted["cached"], off_b(unsalted))
+    else:  # A's KV under B's tokens: what the salt prevents
+        assert unsalted["cached"] == 128 and off_b(unsalted) > 1e-2, (unsalted["cached"], off_b(unsalted))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -36,6 +36,36 @@ def test_the_calculator_evaluates_integer_arithmetic_and_nothing_else(expression
     assert envs.evaluate(expression) == value
 
 
+def test_reset_gives_the_first_observation_the_actor_templates_and_a_group_shares_it(monkeypatch):
+    """An environment's reset(problem) is the episode's first observation: the actor's prompt is it, as
+    tokenized for the model, for every attempt of the group, each environment reset to the problem. One
+    that gives the attempts of a group different first observations is refused, naming itself."""
+    import types
+    import actor
+    from scripts.make_tiny_model import make_tokenizer
+
+    class Guess(envs.Env):
+        def reset(self, problem):
+            super().reset(problem)
+            return f"Guess {problem.answer[:1]}? {problem.prompt}"
+
+    class Moody(envs.Env):
+        def reset(self, problem):
+            return random.choice("ab")
+
+    tok, problem = make_tokenizer(), tasks.arithmetic_problem(12, 34)
+    me = types.SimpleNamespace(cfg=common.load_config([]), tokenizer=tok)
+    monkeypatch.setitem(envs.ENVS, problem.task, Guess)
+    prompt, environments = actor.Actor.episodes(me, problem, 3)
+    assert tok.decode(prompt["prompt_token_ids"]) == "Guess 4? 12+34=\n"
+    assert [type(e) for e in environments] == [Guess] * 3
+    assert all(e.problem is problem for e in environments) and len(set(map(id, environments))) == 3
+    monkeypatch.setitem(envs.ENVS, problem.task, Moody)
+    random.seed(1)
+    with pytest.raises(ValueError, match="Moody.reset gave the attempts of one group 2 first observations"):
+        actor.Actor.episodes(me, problem, 8)
+
+
 def test_calculator_steps():
     calc = envs.make(tasks.calc_problem(347, 58))
     assert isinstance(calc, envs.Calculator) and calc.stop == ("=",)
@@ -55,9 +85,9 @@ def test_a_step_that_hangs_or_raises_is_an_error_observation():
         async def step(self, turn):
             raise KeyError("no such tool")
     t0 = time.time()
-    assert step(Hung(None), "x", timeout_s=0.2) == envs.Step("[error: the environment gave no answer in 0.2 s]\n")
+    assert step(Hung(), "x", timeout_s=0.2) == envs.Step("[error: the environment gave no answer in 0.2 s]\n")
     assert time.time() - t0 < 2
-    assert step(Broken(None), "x") == envs.Step("[error: KeyError: 'no such tool']\n")
+    assert step(Broken(), "x") == envs.Step("[error: KeyError: 'no such tool']\n")
 
 
 def test_latency_is_drawn_log_uniform_within_its_bounds():
@@ -68,7 +98,7 @@ def test_latency_is_drawn_log_uniform_within_its_bounds():
     waits = []
     for _ in range(6):
         t0 = time.monotonic()
-        step(Instant(None), "x", latency=(0.01, 0.3), rng=rng)
+        step(Instant(), "x", latency=(0.01, 0.3), rng=rng)
         waits.append(time.monotonic() - t0)
     assert all(0.01 <= w < 0.3 + 0.2 for w in waits) and max(waits) > 2 * min(waits), waits
 
