@@ -14,8 +14,9 @@ About 1-2 minutes on one CPU core with the embedded tiny model (engine start ~20
   3. how many completion tokens/s the trainer's work (forward, backward, AdamW; fp32, one thread per core)
      gets through on batches of those sequences: tau = peak / this.
 Writes one JSON (h, tokens_per_s, U, lengths, train_completion_tokens_per_s, ...) and prints a table.
-The engine settings are the actor's (eager, fp32, no prefix caching, a small KV cache: docs/DESIGN.md,
-"Known traps (measured)").
+The engine settings are the actor's (eager, fp32, a small KV cache: docs/DESIGN.md,
+"Known traps (measured)"), with prefix caching off: these prompts are distinct, and each h is timed
+afresh, never on blocks a repeat left cached.
 Not a test: the numbers depend on the machine and on what else runs on it.
 """
 import argparse

@@ -66,6 +66,12 @@ def test_reset_gives_the_first_observation_the_actor_templates_and_a_group_share
         actor.Actor.episodes(me, problem, 8)
 
 
+def test_every_registered_environment_is_a_choice_of_actor_env():
+    """actor.env's choices (common.CHOICES, checked before any process starts) are envs.ENVS's names: one
+    registered but not a choice would be refused, one a choice but not registered would fail in the actor."""
+    assert common.CHOICES[("actor", "env")] == ("", *envs.ENVS)
+
+
 def test_calculator_steps():
     calc = envs.make(tasks.calc_problem(347, 58))
     assert isinstance(calc, envs.Calculator) and calc.stop == ("=",)
