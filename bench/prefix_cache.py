@@ -62,6 +62,7 @@ def arm(a) -> dict:
         return time.perf_counter() - t0, sum(p for p, _ in done), sum(c for _, c in done)
 
     async def run():
+        await engine.update_weight_version("0")  # the checkpoint's weights: version 0 (the actor's label)
         await episodes("warm-up")
         return [await episodes(r) for r in range(a.repeats)]
     rows = asyncio.get_event_loop().run_until_complete(run())
