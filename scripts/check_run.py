@@ -220,10 +220,10 @@ def check_ids(books: dict, trained: dict) -> tuple:
             if t["events"][-1:] == ["dropped"] and (t["group"], t["epoch"]) in trained_in]
     waiting = {t["group"] for t in books["tickets"].values()
                if not t["events"] or t["events"][-1] == "forwarded"} | books["redo"]
-    top = max(done, default=-1)
+    top, ended = max(done, default=-1), done | dropped
     problems = both + [f"id {g} neither trained nor dropped, nor in flight at the end"
-                       for g in range(top + 1) if g not in done | dropped | waiting]
-    in_flight = sum(g in waiting and g not in done | dropped for g in range(top + 1))
+                       for g in range(top + 1) if g not in ended and g not in waiting]
+    in_flight = sum(g in waiting and g not in ended for g in range(top + 1))
     return verdict("ids", problems, f"ids 0..{top}: {len(done)} trained, "
                    f"{len(dropped & set(range(top + 1)) - done)} dropped, {in_flight} in flight "
                    "at the end")
