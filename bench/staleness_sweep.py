@@ -15,11 +15,19 @@ Tiers: quick = lags 0, 8, 32 x tis, token_mask, m2po x seed 0; full = lags 0, 1,
 five corrections x seeds 0, 1. The quick tier took 856 s on 2 cores (2026-12-07: 62-109 s a run, the
 stale ones faster: fewer broadcasts); the full one, at that speed, ~1.6 h. --lags/--corrections/--seeds override a tier's axes. Writes
 <root>/sweep.json and <root>/sweep.txt (a Markdown table, one row per run: final test reward, samples, wall, the lag
-histogram, ESS and masked fraction by lag) and <root>/sweep.png (test reward at the sweep's sample
-count against the forced lag, one line per correction, seeds' mean with their range).
+histogram, ESS and masked fraction by lag) and <root>/sweep.png: test reward at the sweep's sample
+count against the forced lag, one line per correction (seeds' mean with their range), and at the
+largest lag the test reward over samples and over wall time.
+
+Each finished run keeps its table row, with its evaluations over time and samples, in row.json. --report
+tables and plots the finished runs only (a sweep cut short); --save DIR copies each run's config.yaml,
+eval.jsonl, row.json and DONE, and the sweep's table, data and figure, to DIR (a few KB a run, for
+committing). A new checkout continues a saved sweep from where it stopped:
+    cp -r results/staleness-full runs/ && .venv/bin/python bench/staleness_sweep.py --tier full
 """
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -57,12 +65,24 @@ def summarize(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
             w = lambda k: sum(r.get(f"trainer/{k}_lag_{label}", 0) * r.get(f"trainer/tokens_lag_{label}", 0)  # noqa: E731
                               for r in recs) / n
             by_lag[label] = {"tokens": n, "ess": round(w("ess"), 4), "masked": round(w("mask"), 4)}
-    return {"lag": lag, "correction": correction, "seed": seed, "run_dir": str(run_dir),
+    row = {"lag": lag, "correction": correction, "seed": seed, "run_dir": str(run_dir),
             "first_test": float(run.test[0]) if len(run.test) else None,
             "final_test": float(run.test[-1]) if len(run.test) else None,
             "last2_test": float(np.mean(run.test[-2:])) if len(run.test) else None,
             "samples": float(run.samples[-1]), "wall_s": float(run.t[-1]),
-            "mean_lag": round(run.mean_lag(), 3), "by_lag": by_lag}
+            "mean_lag": round(run.mean_lag(), 3), "by_lag": by_lag,
+           "curve": [[round(float(t), 2), float(n), float(r)]
+                     for t, n, r in zip(run.eval_t, run.eval_samples, run.test)]}
+    (run_dir / "row.json").write_text(json.dumps(row))
+    return row
+
+
+def row_of(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
+    """A finished run's row: as kept in its row.json, else summarized from its metrics."""
+    kept = run_dir / "row.json"
+    if not kept.exists():
+        return summarize(run_dir, lag, correction, seed)
+    return {**json.loads(kept.read_text()), "run_dir": str(run_dir)}  # where it is now
 
 
 def table(rows: list) -> str:
@@ -79,26 +99,45 @@ def table(rows: list) -> str:
 
 
 def figure(rows: list, path: Path, title: str):
+    """Left: test reward at the sweep's sample count against the forced lag, one line per correction
+    (seeds' mean, bars their range). Middle and right: at the largest lag, each correction's test
+    reward over samples and over wall time (seeds' mean at each evaluation)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for c in dict.fromkeys(r["correction"] for r in rows):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    ax = axes[0]
+    corrections_run = list(dict.fromkeys(r["correction"] for r in rows))
+    colors = {c: f"C{i}" for i, c in enumerate(corrections_run)}
+    for c in corrections_run:
         lags = sorted({r["lag"] for r in rows if r["correction"] == c})
         ys = [[r["last2_test"] for r in rows if r["correction"] == c and r["lag"] == L] for L in lags]
         mean = [np.mean(y) for y in ys]
         ax.errorbar([L + 1 for L in lags], mean, yerr=[[m - min(y) for m, y in zip(mean, ys)],
                                                        [max(y) - m for m, y in zip(mean, ys)]],
-                    marker="o", capsize=3, label=c)
+                    marker="o", capsize=3, label=c, color=colors[c])
     ax.axhline(np.mean([r["first_test"] for r in rows]), color="grey", lw=0.8, ls=":",
                label="before training (mean of the runs' first evaluation)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("versions each engine holds (forced lag + 1)")
-    ax.set_ylabel("test reward at the sweep's sample count")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("test reward at the sweep's sample count (last 2 evals)")
+    ax.legend(fontsize=7)
+    top = max(r["lag"] for r in rows)
+    for ax, column, label in ((axes[1], 1, "samples trained on"), (axes[2], 0, "wall time (s)")):
+        for c in corrections_run:
+            curves = [np.array(r["curve"]) for r in rows
+                      if r["correction"] == c and r["lag"] == top and r.get("curve")]
+            if curves:
+                n = min(len(k) for k in curves)
+                ax.plot(np.mean([k[:n, column] for k in curves], axis=0),
+                        np.mean([k[:n, 2] for k in curves], axis=0), marker=".", color=colors[c],
+                        label=f"{c} ({len(curves)} seed{'s' * (len(curves) > 1)})")
+        ax.set_xlabel(label)
+        ax.set_ylabel(f"test reward at forced lag {top}")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
@@ -113,6 +152,9 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--root", default=None, help="default runs/staleness-<tier>")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--report", action="store_true", help="table and plot the finished runs only")
+    ap.add_argument("--save", help="copy the runs' configs, evaluations and rows, and the sweep's "
+                    "outputs, here")
     a = ap.parse_args(argv)
     axes = {k: getattr(a, k) or v for k, v in TIERS[a.tier].items()}
     root = Path(a.root or REPO / f"runs/staleness-{a.tier}").resolve()
@@ -125,6 +167,8 @@ def main(argv=None):
         if a.dry_run:
             print(("# kept: " if (run_dir / "DONE").exists() else "") + " ".join(cmd))
             continue
+        if a.report and not (run_dir / "DONE").exists():
+            continue
         if not (run_dir / "DONE").exists():
             print(f"[sweep] {i + 1}/{len(settings)} {time.strftime('%H:%M:%S')} {' '.join(cmd)}",
                   flush=True)
@@ -134,15 +178,27 @@ def main(argv=None):
             if rc != 0:
                 sys.exit(f"[sweep] {run_dir} failed (exit {rc}): see {run_dir.parent}/{run_dir.name}.log")
             (run_dir / "DONE").touch()
-        rows.append(summarize(run_dir, lag, correction, seed))
+        rows.append(row_of(run_dir, lag, correction, seed))
     if a.dry_run:
         return
+    if not rows:
+        sys.exit(f"[sweep] no finished run under {root}")
     (root / "sweep.json").write_text(json.dumps(rows, indent=1))
     title = (f"{a.task}, {a.steps} steps, lr {a.lr:g}, seeds {axes['seeds']} "
-             f"({len(rows)} runs)")
+             f"({len(rows)} of {len(settings)} runs)")
     (root / "sweep.txt").write_text(f"# Staleness sweep: {title}\n\n" + table(rows))
     figure(rows, root / "sweep.png", title)
     print(f"[sweep] {len(rows)} runs in {time.time() - t0:.0f} s: {root}/sweep.txt, {root}/sweep.png")
+    if a.save:
+        save = Path(a.save)
+        for r in rows:
+            run_dir = Path(r["run_dir"])
+            (save / run_dir.name).mkdir(parents=True, exist_ok=True)
+            for f in ("config.yaml", "eval.jsonl", "row.json", "DONE"):
+                shutil.copy(run_dir / f, save / run_dir.name / f)
+        for f in ("sweep.json", "sweep.txt", "sweep.png"):
+            shutil.copy(root / f, save / f)
+        print(f"[sweep] saved to {save}")
 
 
 if __name__ == "__main__":

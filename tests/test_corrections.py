@@ -4,6 +4,7 @@ config key that chooses one and the bounds it refuses. Pure torch, no processes.
 
 Run: bash run.sh test tests/test_corrections.py      (< 10 s)
 """
+import json
 import math
 
 import pytest
@@ -147,3 +148,23 @@ def test_every_run_of_the_staleness_sweep_is_a_valid_config(tmp_path):
                 assert (cfg.sync.send_every, cfg.actor.max_lag, cfg.trainer.correction) == (lag + 1, lag + 1, c)
     with pytest.raises(common.ConfigError, match="sync.send_every=9: forced staleness"):
         common.load_config(["sync.send_every=9", "actor.max_lag=4"])
+
+
+def test_a_saved_sweep_tables_again_from_its_saved_rows(tmp_path):
+    """A sweep saved with --save (each run's config, evaluations and row.json; a few KB a run) is
+    enough to rebuild its table and figure in a new checkout: --report over a copy of the committed
+    lr 3e-4 sweep writes the committed table again, byte for byte, and a figure."""
+    import shutil
+    import sys
+    sys.path.insert(0, str(REPO / "bench"))
+    import staleness_sweep as sweep
+    saved = REPO / "results/staleness-lr3e-4"
+    root = tmp_path / "root"
+    shutil.copytree(saved, root)
+    for f in ("sweep.txt", "sweep.json", "sweep.png"):
+        (root / f).unlink()
+    sweep.main(["--tier", "quick", "--lr", "3e-4", "--root", str(root), "--report"])
+    assert (root / "sweep.txt").read_text() == (saved / "sweep.txt").read_text()
+    assert (root / "sweep.png").stat().st_size > 0
+    rows = json.loads((root / "sweep.json").read_text())
+    assert len(rows) == 9 and all(r["run_dir"].startswith(str(root)) for r in rows)
