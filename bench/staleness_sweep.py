@@ -14,8 +14,9 @@ run (its DONE file) is kept, so a sweep can be built over several sittings.
 Tiers: quick = lags 0, 8, 32 x tis, token_mask, m2po x seed 0; full = lags 0, 1, 2, 4, 8, 16, 32 x all
 five corrections x seeds 0, 1. The quick tier took 856 s on 2 cores (2026-12-07: 62-109 s a run, the
 stale ones faster: fewer broadcasts); the full one, at that speed, ~1.6 h. --lags/--corrections/--seeds override a tier's axes. Writes
-<root>/sweep.json and <root>/sweep.txt (a Markdown table, one row per run: final test reward, samples, wall, the lag
-histogram, ESS and masked fraction by lag) and <root>/sweep.png: test reward at the sweep's sample
+<root>/sweep.json and <root>/sweep.txt (Markdown: test reward by forced lag and correction, the seeds'
+mean and range; then one row per run: final test reward, samples, wall, the lag histogram, ESS and
+masked fraction by lag) and <root>/sweep.png: test reward at the sweep's sample
 count against the forced lag, one line per correction (seeds' mean with their range), and at the
 largest lag the test reward over samples and over wall time.
 
@@ -83,6 +84,25 @@ def row_of(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
     if not kept.exists():
         return summarize(run_dir, lag, correction, seed)
     return {**json.loads(kept.read_text()), "run_dir": str(run_dir)}  # where it is now
+
+
+def pivot(rows: list) -> str:
+    """The figure's left panel as a table: test reward (last 2 evaluations) by forced lag and
+    correction, the seeds' mean and, with more than one seed, their range."""
+    cs = list(dict.fromkeys(r["correction"] for r in rows))
+    lines = ["| forced lag | mean lag | " + " | ".join(cs) + " |", "|---" * (len(cs) + 2) + "|"]
+    for lag in sorted({r["lag"] for r in rows}):
+        here = [r for r in rows if r["lag"] == lag]
+        cells = []
+        for c in cs:
+            ys = [r["last2_test"] for r in here if r["correction"] == c]
+            cells.append("" if not ys else f"{np.mean(ys):.3f}" +
+                         (f" ({min(ys):.3f}-{max(ys):.3f})" if len(ys) > 1 else ""))
+        mean_lag = np.mean([r["mean_lag"] for r in here])
+        lines.append(f"| {lag} | {mean_lag:.2f} | " + " | ".join(cells) + " |")
+    first = [r["first_test"] for r in rows]
+    return "\n".join(lines) + (f"\n\nBefore training (the runs' first evaluation): "
+                               f"{np.mean(first):.3f} ({min(first):.3f}-{max(first):.3f}).\n")
 
 
 def table(rows: list) -> str:
@@ -186,7 +206,8 @@ def main(argv=None):
     (root / "sweep.json").write_text(json.dumps(rows, indent=1))
     title = (f"{a.task}, {a.steps} steps, lr {a.lr:g}, seeds {axes['seeds']} "
              f"({len(rows)} of {len(settings)} runs)")
-    (root / "sweep.txt").write_text(f"# Staleness sweep: {title}\n\n" + table(rows))
+    (root / "sweep.txt").write_text(f"# Staleness sweep: {title}\n\n" + pivot(rows) + "\n"
+                                    + table(rows))
     figure(rows, root / "sweep.png", title)
     print(f"[sweep] {len(rows)} runs in {time.time() - t0:.0f} s: {root}/sweep.txt, {root}/sweep.png")
     if a.save:
