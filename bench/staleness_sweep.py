@@ -12,8 +12,10 @@ run (its DONE file) is kept, so a sweep can be built over several sittings.
     .venv/bin/python bench/staleness_sweep.py --tier quick --task longtail --root runs/staleness-longtail
 
 Tiers: quick = lags 0, 8, 32 x tis, token_mask, m2po x seed 0; full = lags 0, 1, 2, 4, 8, 16, 32 x all
-five corrections x seeds 0, 1. The quick tier took 856 s on 2 cores (2026-12-07: 62-109 s a run, the
-stale ones faster: fewer broadcasts); the full one, at that speed, ~1.6 h. --lags/--corrections/--seeds override a tier's axes. Writes
+five corrections x seeds 0, 1. --lags/--corrections/--seeds override a tier's axes (--lags also sets
+the order runs go in). Times on 2 cores, nothing else running (2026-12-07): the quick tier 856 s
+(727 s at lr 3e-4; 51-109 s a run, start-up included; the stale runs faster: fewer broadcasts); the
+full tier 1 h 51 min (70 runs); the long-tailed quick tier 1,740 s. Writes
 <root>/sweep.json and <root>/sweep.txt (Markdown: test reward by forced lag and correction, the seeds'
 mean and range; then one row per run: final test reward, samples, wall, the lag histogram, ESS and
 masked fraction by lag) and <root>/sweep.png: test reward at the sweep's sample
