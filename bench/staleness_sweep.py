@@ -74,8 +74,8 @@ def summarize(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
             "last2_test": float(np.mean(run.test[-2:])) if len(run.test) else None,
             "samples": float(run.samples[-1]), "wall_s": float(run.t[-1]),
             "mean_lag": round(run.mean_lag(), 3), "by_lag": by_lag,
-           "curve": [[round(float(t), 2), float(n), float(r)]
-                     for t, n, r in zip(run.eval_t, run.eval_samples, run.test)]}
+            "curve": [[round(float(t), 2), float(n), float(r)]
+                      for t, n, r in zip(run.eval_t, run.eval_samples, run.test)]}
     (run_dir / "row.json").write_text(json.dumps(row))
     return row
 
@@ -88,19 +88,27 @@ def row_of(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
     return {**json.loads(kept.read_text()), "run_dir": str(run_dir)}  # where it is now
 
 
+def rewards(rows: list) -> dict:
+    """(correction, forced lag) -> the seeds' test rewards (last 2 evaluations), in run order."""
+    out = {}
+    for r in rows:
+        out.setdefault((r["correction"], r["lag"]), []).append(r["last2_test"])
+    return out
+
+
 def pivot(rows: list) -> str:
     """The figure's left panel as a table: test reward (last 2 evaluations) by forced lag and
     correction, the seeds' mean and, with more than one seed, their range."""
     cs = list(dict.fromkeys(r["correction"] for r in rows))
+    by = rewards(rows)
     lines = ["| forced lag | mean lag | " + " | ".join(cs) + " |", "|---" * (len(cs) + 2) + "|"]
     for lag in sorted({r["lag"] for r in rows}):
-        here = [r for r in rows if r["lag"] == lag]
         cells = []
         for c in cs:
-            ys = [r["last2_test"] for r in here if r["correction"] == c]
+            ys = by.get((c, lag), [])
             cells.append("" if not ys else f"{np.mean(ys):.3f}" +
                          (f" ({min(ys):.3f}-{max(ys):.3f})" if len(ys) > 1 else ""))
-        mean_lag = np.mean([r["mean_lag"] for r in here])
+        mean_lag = np.mean([r["mean_lag"] for r in rows if r["lag"] == lag])
         lines.append(f"| {lag} | {mean_lag:.2f} | " + " | ".join(cells) + " |")
     first = [r["first_test"] for r in rows]
     return "\n".join(lines) + (f"\n\nBefore training (the runs' first evaluation): "
@@ -131,9 +139,10 @@ def figure(rows: list, path: Path, title: str):
     ax = axes[0]
     corrections_run = list(dict.fromkeys(r["correction"] for r in rows))
     colors = {c: f"C{i}" for i, c in enumerate(corrections_run)}
+    by = rewards(rows)
     for c in corrections_run:
-        lags = sorted({r["lag"] for r in rows if r["correction"] == c})
-        ys = [[r["last2_test"] for r in rows if r["correction"] == c and r["lag"] == L] for L in lags]
+        lags = sorted(L for k, L in by if k == c)
+        ys = [by[(c, L)] for L in lags]
         mean = [np.mean(y) for y in ys]
         ax.errorbar([L + 1 for L in lags], mean, yerr=[[m - min(y) for m, y in zip(mean, ys)],
                                                        [max(y) - m for m, y in zip(mean, ys)]],
