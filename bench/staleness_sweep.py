@@ -8,17 +8,19 @@ run (its DONE file) is kept, so a sweep can be built over several sittings.
 
     .venv/bin/python bench/staleness_sweep.py --tier quick          # 9 runs
     .venv/bin/python bench/staleness_sweep.py --tier full           # 70 runs
-    .venv/bin/python bench/staleness_sweep.py --tier full --lr 3e-4 --root runs/staleness-lr3e-4
-    .venv/bin/python bench/staleness_sweep.py --tier quick --task longtail --root runs/staleness-longtail
+    .venv/bin/python bench/staleness_sweep.py --tier quick --lr 3e-4 --seeds 0 1 \
+        --root runs/staleness-lr3e-4
+    .venv/bin/python bench/staleness_sweep.py --tier quick --task longtail --seeds 0 1 \
+        --root runs/staleness-longtail
 
 Tiers: quick = lags 0, 8, 32 x tis, token_mask, m2po x seed 0; full = lags 0, 1, 2, 4, 8, 16, 32 x all
 five corrections x seeds 0, 1. --lags/--corrections/--seeds override a tier's axes (--lags also sets
 the order runs go in). Times on 2 cores, nothing else running (2026-12-07): the quick tier 856 s
 (727 s at lr 3e-4; 51-109 s a run, start-up included; the stale runs faster: fewer broadcasts); the
-full tier 1 h 51 min (70 runs); the long-tailed quick tier 1,740 s. Writes
+full tier 1 h 51 min (70 runs); the long-tailed quick tier 1,740 s (seed 0; seed 1 2,194 s). Writes
 <root>/sweep.json and <root>/sweep.txt (Markdown: test reward by forced lag and correction, the seeds'
-mean and range; then one row per run: final test reward, samples, wall, the lag histogram, ESS and
-masked fraction by lag) and <root>/sweep.png: test reward at the sweep's sample
+mean and range; then one row per run: final test reward, samples, wall, the lag histogram, ESS,
+masked fraction and KL(μ‖π) by lag) and <root>/sweep.png: test reward at the sweep's sample
 count against the forced lag, one line per correction (seeds' mean with their range), and at the
 largest lag the test reward over samples and over wall time.
 
@@ -57,8 +59,8 @@ def overrides(a, lag: int, correction: str, seed: int, run_dir: Path) -> list:
 
 
 def summarize(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
-    """One run's row: its last evaluation, samples, wall, and per lag bucket the tokens, ESS and
-    masked fraction over the whole run."""
+    """One run's row: its last evaluation, samples, wall, and per lag bucket the tokens, ESS, masked
+    fraction and KL(μ‖π) over the whole run."""
     run = Run(run_dir)
     recs = [r for r in read_jsonl(run_dir / "metrics_trainer.jsonl") if "trainer/loss" in r]
     by_lag = {}
@@ -67,7 +69,8 @@ def summarize(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
         if n:
             w = lambda k: sum(r.get(f"trainer/{k}_lag_{label}", 0) * r.get(f"trainer/tokens_lag_{label}", 0)  # noqa: E731
                               for r in recs) / n
-            by_lag[label] = {"tokens": n, "ess": round(w("ess"), 4), "masked": round(w("mask"), 4)}
+            by_lag[label] = {"tokens": n, "ess": round(w("ess"), 4), "masked": round(w("mask"), 4),
+                             "kl": round(w("kl"), 4) + 0.0}  # + 0.0: no "-0.0"
     row = {"lag": lag, "correction": correction, "seed": seed, "run_dir": str(run_dir),
             "first_test": float(run.test[0]) if len(run.test) else None,
             "final_test": float(run.test[-1]) if len(run.test) else None,
@@ -117,14 +120,15 @@ def pivot(rows: list) -> str:
 
 def table(rows: list) -> str:
     lines = ["| forced lag | correction | seed | test reward (last 2 evals) | mean lag | tokens by lag "
-             "(share) | ESS by lag | masked by lag | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+             "(share) | ESS by lag | masked by lag | KL by lag | wall s |", "|---" * 10 + "|"]
     for r in rows:
         total = sum(b["tokens"] for b in r["by_lag"].values()) or 1
         share = ", ".join(f"{k}: {b['tokens'] / total:.2f}" for k, b in r["by_lag"].items())
         ess = ", ".join(f"{k}: {b['ess']:.3f}" for k, b in r["by_lag"].items())
         masked = ", ".join(f"{k}: {b['masked']:.3f}" for k, b in r["by_lag"].items())
+        kl = ", ".join(f"{k}: {b['kl']:.3f}" for k, b in r["by_lag"].items() if "kl" in b)
         lines.append(f"| {r['lag']} | {r['correction']} | {r['seed']} | {r['last2_test']:.3f} | "
-                     f"{r['mean_lag']} | {share} | {ess} | {masked} | {r['wall_s']:.0f} |")
+                     f"{r['mean_lag']} | {share} | {ess} | {masked} | {kl} | {r['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

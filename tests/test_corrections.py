@@ -163,8 +163,9 @@ def test_a_saved_sweep_tables_again_from_its_saved_rows(tmp_path):
     shutil.copytree(saved, root)
     for f in ("sweep.txt", "sweep.json", "sweep.png"):
         (root / f).unlink()
-    sweep.main(["--tier", "quick", "--lr", "3e-4", "--root", str(root), "--report"])
+    sweep.main(["--tier", "quick", "--lr", "3e-4", "--seeds", "0", "1", "--root", str(root),
+                "--report"])
     assert (root / "sweep.txt").read_text() == (saved / "sweep.txt").read_text()
     assert (root / "sweep.png").stat().st_size > 0
     rows = json.loads((root / "sweep.json").read_text())
-    assert len(rows) == 9 and all(r["run_dir"].startswith(str(root)) for r in rows)
+    assert len(rows) == 18 and all(r["run_dir"].startswith(str(root)) for r in rows)
