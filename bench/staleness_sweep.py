@@ -3,8 +3,11 @@
 Each run is `bash run.sh` with one correction (`trainer.correction`) and one forced lag L: the trainer
 broadcasts every (L+1)-th version (`sync.send_every`, the engines hold each version L+1 steps) under
 `actor.max_lag = L + 1`, so the trained tokens' lags spread over 0..L+1 (each run's histogram is in
-the table). Runs go one at a time, the same steps each (reward at a fixed sample count); a finished
-run (its DONE file) is kept, so a sweep can be built over several sittings.
+the table). Runs go one at a time, the same steps each; a finished run (its DONE file) is kept, so a
+sweep can be built over several sittings. A run's engines evaluate only the versions they hold, so a
+stale run's last evaluation comes earlier (at lag 32 of 120 steps: version 99): runs are compared at
+the most samples that every run has an evaluation at or past, each read linearly between its
+evaluations.
 
     .venv/bin/python bench/staleness_sweep.py --tier quick          # 9 runs
     .venv/bin/python bench/staleness_sweep.py --tier full           # 70 runs
@@ -19,10 +22,11 @@ the order runs go in). Times on 2 cores, nothing else running (2026-12-07): the 
 (727 s at lr 3e-4; 51-109 s a run, start-up included; the stale runs faster: fewer broadcasts); the
 full tier 1 h 51 min (70 runs); the long-tailed quick tier 1,740 s (seed 0; seed 1 2,194 s). Writes
 <root>/sweep.json and <root>/sweep.txt (Markdown: test reward by forced lag and correction, the seeds'
-mean and range; then one row per run: final test reward, samples, wall, the lag histogram, ESS,
-masked fraction and KL(μ‖π) by lag) and <root>/sweep.png: test reward at the sweep's sample
-count against the forced lag, one line per correction (seeds' mean with their range), and at the
-largest lag the test reward over samples and over wall time.
+mean and range, at that common sample count and as the mean of the last two evaluations; then one
+row per run: the last two evaluations' test reward, samples, wall, the lag histogram, ESS, masked
+fraction and KL(μ‖π) by lag) and <root>/sweep.png: test reward at the common sample count against
+the forced lag, one line per correction (seeds' mean with their range), and at the largest lag the
+test reward over samples and over wall time.
 
 Each finished run keeps its table row, with its evaluations over time and samples, in row.json. --report
 tables and plots the finished runs only (a sweep cut short); --save DIR copies each run's config.yaml,
@@ -91,31 +95,55 @@ def row_of(run_dir: Path, lag: int, correction: str, seed: int) -> dict:
     return {**json.loads(kept.read_text()), "run_dir": str(run_dir)}  # where it is now
 
 
-def rewards(rows: list) -> dict:
-    """(correction, forced lag) -> the seeds' test rewards (last 2 evaluations), in run order."""
+def common_samples(rows: list) -> float:
+    """The most samples that every run has an evaluation at or past. A stale run's engines evaluate
+    only the versions they hold (every (L+1)-th), so its last evaluation comes at fewer samples than
+    a fresh run's; read there, every run is compared at the same amount of training."""
+    return min(r["curve"][-1][1] for r in rows)
+
+
+def reward_at(row: dict, n: float) -> float:
+    """A run's test reward at n samples, linear between the evaluations around it."""
+    curve = np.array(row["curve"])  # [evaluations, (t, samples, test)]
+    return float(np.interp(n, curve[:, 1], curve[:, 2]))
+
+
+def rewards(rows: list, n=None) -> dict:
+    """(correction, forced lag) -> the seeds' test rewards, in run order: at n samples, or with n
+    None the mean of each run's last 2 evaluations."""
     out = {}
     for r in rows:
-        out.setdefault((r["correction"], r["lag"]), []).append(r["last2_test"])
+        out.setdefault((r["correction"], r["lag"]), []).append(
+            r["last2_test"] if n is None else reward_at(r, n))
     return out
 
 
-def pivot(rows: list) -> str:
-    """The figure's left panel as a table: test reward (last 2 evaluations) by forced lag and
-    correction, the seeds' mean and, with more than one seed, their range."""
+def pivot(rows: list, n=None) -> str:
+    """Test reward by forced lag and correction, the seeds' mean and, with more than one seed, their
+    range: at n samples (the figure's left panel), or with n None the mean of the last 2
+    evaluations, with the samples those were read at."""
     cs = list(dict.fromkeys(r["correction"] for r in rows))
-    by = rewards(rows)
-    lines = ["| forced lag | mean lag | " + " | ".join(cs) + " |", "|---" * (len(cs) + 2) + "|"]
+    by = rewards(rows, n)
+    extra = " samples (last 2 evals) |" if n is None else ""
+    lines = ["| forced lag | mean lag |" + extra + " " + " | ".join(cs) + " |",
+             "|---" * (len(cs) + 2 + (n is None)) + "|"]
     for lag in sorted({r["lag"] for r in rows}):
         cells = []
         for c in cs:
             ys = by.get((c, lag), [])
             cells.append("" if not ys else f"{np.mean(ys):.3f}" +
                          (f" ({min(ys):.3f}-{max(ys):.3f})" if len(ys) > 1 else ""))
-        mean_lag = np.mean([r["mean_lag"] for r in rows if r["lag"] == lag])
-        lines.append(f"| {lag} | {mean_lag:.2f} | " + " | ".join(cells) + " |")
+        runs = [r for r in rows if r["lag"] == lag]
+        read_at = np.mean([np.mean([e[1] for e in r["curve"][-2:]]) for r in runs])
+        lines.append(f"| {lag} | {np.mean([r['mean_lag'] for r in runs]):.2f} | "
+                     + (f"{read_at:,.0f} | " if n is None else "") + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def before(rows: list) -> str:
     first = [r["first_test"] for r in rows]
-    return "\n".join(lines) + (f"\n\nBefore training (the runs' first evaluation): "
-                               f"{np.mean(first):.3f} ({min(first):.3f}-{max(first):.3f}).\n")
+    return (f"Before training (the runs' first evaluation): {np.mean(first):.3f} "
+            f"({min(first):.3f}-{max(first):.3f}).\n")
 
 
 def table(rows: list) -> str:
@@ -133,9 +161,10 @@ def table(rows: list) -> str:
 
 
 def figure(rows: list, path: Path, title: str):
-    """Left: test reward at the sweep's sample count against the forced lag, one line per correction
-    (seeds' mean, bars their range). Middle and right: at the largest lag, each correction's test
-    reward over samples and over wall time (seeds' mean at each evaluation)."""
+    """Left: test reward at the sweep's common sample count (common_samples) against the forced lag,
+    one line per correction (seeds' mean, bars their range). Middle and right: at the largest lag,
+    each correction's test reward over samples and over wall time (seeds' mean at each
+    evaluation)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,7 +172,8 @@ def figure(rows: list, path: Path, title: str):
     ax = axes[0]
     corrections_run = list(dict.fromkeys(r["correction"] for r in rows))
     colors = {c: f"C{i}" for i, c in enumerate(corrections_run)}
-    by = rewards(rows)
+    n = common_samples(rows)
+    by = rewards(rows, n)
     for c in corrections_run:
         lags = sorted(L for k, L in by if k == c)
         ys = [by[(c, L)] for L in lags]
@@ -155,7 +185,7 @@ def figure(rows: list, path: Path, title: str):
                label="before training (mean of the runs' first evaluation)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("versions each engine holds (forced lag + 1)")
-    ax.set_ylabel("test reward at the sweep's sample count (last 2 evals)")
+    ax.set_ylabel(f"test reward at {n:,.0f} samples")
     ax.legend(fontsize=7)
     top = max(r["lag"] for r in rows)
     for ax, column, label in ((axes[1], 1, "samples trained on"), (axes[2], 0, "wall time (s)")):
@@ -221,8 +251,13 @@ def main(argv=None):
     (root / "sweep.json").write_text(json.dumps(rows, indent=1))
     title = (f"{a.task}, {a.steps} steps, lr {a.lr:g}, seeds {axes['seeds']} "
              f"({len(rows)} of {len(settings)} runs)")
-    (root / "sweep.txt").write_text(f"# Staleness sweep: {title}\n\n" + pivot(rows) + "\n"
-                                    + table(rows))
+    n = common_samples(rows)
+    (root / "sweep.txt").write_text(
+        f"# Staleness sweep: {title}\n\nTest reward at {n:,.0f} samples, the most that every run has "
+        "an evaluation at or past (each run read linearly between its evaluations; the figure's left "
+        "panel):\n\n" + pivot(rows, n) + "\nThe mean of each run's last two evaluations (less noise; "
+        "read at fewer samples in the stale runs, whose engines evaluate only the versions they "
+        "hold):\n\n" + pivot(rows) + "\n" + before(rows) + "\n" + table(rows))
     figure(rows, root / "sweep.png", title)
     print(f"[sweep] {len(rows)} runs in {time.time() - t0:.0f} s: {root}/sweep.txt, {root}/sweep.png")
     if a.save:

@@ -169,3 +169,27 @@ def test_a_saved_sweep_tables_again_from_its_saved_rows(tmp_path):
     assert (root / "sweep.png").stat().st_size > 0
     rows = json.loads((root / "sweep.json").read_text())
     assert len(rows) == 18 and all(r["run_dir"].startswith(str(root)) for r in rows)
+
+
+def test_the_sweep_compares_runs_at_the_samples_every_run_reached(tmp_path):
+    """A stale run's engines evaluate only the versions they hold, so its last evaluation comes at
+    fewer samples than a fresh run's: the headline table reads every run at the most samples that
+    all of them have an evaluation at or past (linear between evaluations), not at its last two."""
+    import sys
+    sys.path.insert(0, str(REPO / "bench"))
+    import staleness_sweep as sweep
+
+    def row(lag, curve):
+        return {"lag": lag, "correction": "tis", "seed": 0, "mean_lag": lag / 2,
+                "first_test": curve[0][2], "last2_test": (curve[-1][2] + curve[-2][2]) / 2,
+                "curve": curve}
+    fresh = row(0, [[0, 0, 0.4], [1, 100, 0.5], [2, 200, 0.6], [3, 300, 0.9]])
+    stale = row(32, [[0, 0, 0.4], [1, 150, 0.3]])
+    rows = [fresh, stale]
+    assert sweep.common_samples(rows) == 150
+    assert sweep.reward_at(fresh, 150) == pytest.approx(0.55)
+    assert sweep.rewards(rows, 150) == {("tis", 0): [pytest.approx(0.55)], ("tis", 32): [0.3]}
+    at, last2 = sweep.pivot(rows, 150).splitlines(), sweep.pivot(rows).splitlines()
+    assert at[2] == "| 0 | 0.00 | 0.550 |" and at[3] == "| 32 | 16.00 | 0.300 |"
+    # the last two evaluations: the fresh run's at 250 samples on average, the stale run's at 75
+    assert last2[2] == "| 0 | 0.00 | 250 | 0.750 |" and last2[3] == "| 32 | 16.00 | 75 | 0.350 |"
