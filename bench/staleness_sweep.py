@@ -134,9 +134,11 @@ def pivot(rows: list, n=None) -> str:
             cells.append("" if not ys else f"{np.mean(ys):.3f}" +
                          (f" ({min(ys):.3f}-{max(ys):.3f})" if len(ys) > 1 else ""))
         runs = [r for r in rows if r["lag"] == lag]
-        read_at = np.mean([np.mean([e[1] for e in r["curve"][-2:]]) for r in runs])
-        lines.append(f"| {lag} | {np.mean([r['mean_lag'] for r in runs]):.2f} | "
-                     + (f"{read_at:,.0f} | " if n is None else "") + " | ".join(cells) + " |")
+        read_at = ""
+        if n is None:  # the samples the last 2 evaluations were read at
+            read_at = f"{np.mean([np.mean([e[1] for e in r['curve'][-2:]]) for r in runs]):,.0f} | "
+        lines.append(f"| {lag} | {np.mean([r['mean_lag'] for r in runs]):.2f} | {read_at}"
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -154,14 +156,14 @@ def table(rows: list) -> str:
         share = ", ".join(f"{k}: {b['tokens'] / total:.2f}" for k, b in r["by_lag"].items())
         ess = ", ".join(f"{k}: {b['ess']:.3f}" for k, b in r["by_lag"].items())
         masked = ", ".join(f"{k}: {b['masked']:.3f}" for k, b in r["by_lag"].items())
-        kl = ", ".join(f"{k}: {b['kl']:.3f}" for k, b in r["by_lag"].items() if "kl" in b)
+        kl = ", ".join(f"{k}: {b['kl']:.3f}" for k, b in r["by_lag"].items())
         lines.append(f"| {r['lag']} | {r['correction']} | {r['seed']} | {r['last2_test']:.3f} | "
                      f"{r['mean_lag']} | {share} | {ess} | {masked} | {kl} | {r['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
-def figure(rows: list, path: Path, title: str):
-    """Left: test reward at the sweep's common sample count (common_samples) against the forced lag,
+def figure(rows: list, n: float, path: Path, title: str):
+    """Left: test reward at n samples (the sweep's common_samples) against the forced lag,
     one line per correction (seeds' mean, bars their range). Middle and right: at the largest lag,
     each correction's test reward over samples and over wall time (seeds' mean at each
     evaluation)."""
@@ -172,7 +174,6 @@ def figure(rows: list, path: Path, title: str):
     ax = axes[0]
     corrections_run = list(dict.fromkeys(r["correction"] for r in rows))
     colors = {c: f"C{i}" for i, c in enumerate(corrections_run)}
-    n = common_samples(rows)
     by = rewards(rows, n)
     for c in corrections_run:
         lags = sorted(L for k, L in by if k == c)
@@ -252,13 +253,14 @@ def main(argv=None):
     title = (f"{a.task}, {a.steps} steps, lr {a.lr:g}, seeds {axes['seeds']} "
              f"({len(rows)} of {len(settings)} runs)")
     n = common_samples(rows)
-    (root / "sweep.txt").write_text(
-        f"# Staleness sweep: {title}\n\nTest reward at {n:,.0f} samples, the most that every run has "
-        "an evaluation at or past (each run read linearly between its evaluations; the figure's left "
-        "panel):\n\n" + pivot(rows, n) + "\nThe mean of each run's last two evaluations (less noise; "
-        "read at fewer samples in the stale runs, whose engines evaluate only the versions they "
-        "hold):\n\n" + pivot(rows) + "\n" + before(rows) + "\n" + table(rows))
-    figure(rows, root / "sweep.png", title)
+    at_n = (f"Test reward at {n:,.0f} samples, the most that every run has an evaluation at or "
+            "past (each run read linearly between its evaluations; the figure's left panel):")
+    last2 = ("The mean of each run's last two evaluations (less noise; read at fewer samples in "
+             "the stale runs, whose engines evaluate only the versions they hold):")
+    (root / "sweep.txt").write_text(f"# Staleness sweep: {title}\n\n{at_n}\n\n" + pivot(rows, n)
+                                    + f"\n{last2}\n\n" + pivot(rows) + "\n" + before(rows) + "\n"
+                                    + table(rows))
+    figure(rows, n, root / "sweep.png", title)
     print(f"[sweep] {len(rows)} runs in {time.time() - t0:.0f} s: {root}/sweep.txt, {root}/sweep.png")
     if a.save:
         save = Path(a.save)
